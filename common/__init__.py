@@ -1,0 +1,8 @@
+"""The thin layer every method script shares: model + LoRA loading (model.py), generation through
+transformers or vLLM (generation.py) and stepping many games at once (envbatch.py). Nothing
+method-specific lives here."""
+
+
+class UsageError(Exception):
+    """Bad input from the user (unknown model or env, missing data): the scripts print the message
+    and exit with status 2, without a traceback."""

@@ -1,0 +1,168 @@
+"""Model and tokenizer loading, LoRA adapters, and log-probabilities of responses.
+
+--model accepts:
+  * a local directory saved with save_pretrained,
+  * a hub id ("Qwen/Qwen2.5-1.5B-Instruct"),
+  * a bare Qwen name ("Qwen2.5-1.5B-Instruct" -> "Qwen/Qwen2.5-1.5B-Instruct"),
+  * "tiny": a 2-layer Qwen2 with random weights and a word-level tokenizer built here with the
+    `tokenizers` library over the environment's words, with a chat template. It needs no download
+    and is what the tests and the embedded default run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from common import UsageError
+
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
+# Kept as ordinary (decodable) tokens so that responses decode to "<action> go to desk 1 </action>".
+TINY_TAG_TOKENS = ["<think>", "</think>", "<action>", "</action>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_tokenizer(words: list[str]):
+    """Word-level tokenizer: one id per word, digit and punctuation mark in `words` (plus 0-99
+    and ASCII punctuation), special tokens and the reasoning/action tags."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_words = set(words) | {str(i) for i in range(100)} | set("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+    vocab_words |= {"user", "assistant", "system"}
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_TAG_TOKENS)}
+    for w in sorted(vocab_words - set(vocab)):
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and runs of punctuation
+    tok.decoder = decoders.WordPiece()  # joins words with single spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<|endoftext|>",
+                                        eos_token="<|im_end|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.add_tokens(TINY_TAG_TOKENS)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def build_tiny_model(vocab_size: int, seed: int, hidden_size: int = 128, num_layers: int = 2):
+    """A small Qwen2 (same code path as Qwen2.5) with random weights, deterministic given `seed`."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    torch.random.set_rng_state(state)
+    return model
+
+
+def resolve_model_name(name: str) -> list[str]:
+    """Where `name` may be found, in the order tried: the local directory, then hub ids."""
+    tried = []
+    if os.path.isdir(os.path.expanduser(name)):
+        tried.append(os.path.expanduser(name))
+    if "/" in name:
+        tried.append(name)
+    elif re.match(r"(?i)qwen", name):
+        tried.append(f"Qwen/{name}")
+    return tried or [name]
+
+
+def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, seed: int = 0,
+                             dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model, tokenizer). `vocabulary` (the env's words) is needed only for "tiny"."""
+    if name == "tiny":
+        if not vocabulary:
+            raise UsageError("--model tiny needs the environment's vocabulary")
+        tokenizer = build_tiny_tokenizer(vocabulary)
+        model = build_tiny_model(len(tokenizer), seed=seed)
+        return model.to(device=device, dtype=dtype), tokenizer
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    errors = []
+    for candidate in resolve_model_name(name):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(candidate)
+            model = AutoModelForCausalLM.from_pretrained(candidate, dtype=dtype)
+        except (OSError, ValueError) as e:
+            errors.append(f"  {candidate}: {str(e).splitlines()[0]}")
+            continue
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return model.to(device), tokenizer
+    local = os.path.abspath(os.path.expanduser(name))
+    raise UsageError(f"cannot load model {name!r}. Tried:\n" + "\n".join(errors)
+                     + f"\n  (no local directory {local})\nPass a local directory, a hub id such as "
+                       "Qwen/Qwen2.5-1.5B-Instruct (needs the hub or a filled HF cache), or 'tiny'.")
+
+
+# ---- LoRA ------------------------------------------------------------------------------------------
+def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str | list[str]):
+    """Wrap `model` with a fresh trainable LoRA adapter; only adapter weights require grad."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def load_lora(model, path: str):
+    """Attach a saved adapter (trainable) to a base model."""
+    from peft import PeftModel
+
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise UsageError(f"no LoRA adapter at {path} (adapter_config.json missing)")
+    return PeftModel.from_pretrained(model, path, is_trainable=True)
+
+
+def merge_lora(model):
+    """Fold the adapter into the base weights and return the plain model."""
+    return model.merge_and_unload()
+
+
+# ---- log-probabilities -------------------------------------------------------------------------------
+def pad_prompt_response(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
+    """Left-pad prompts to P and right-pad responses to R, so every response starts at column P.
+
+    Returns input_ids (B, P+R), attention_mask (B, P+R), position_ids (B, P+R), response ids
+    (B, R) and response_mask (B, R)."""
+    P = max(len(p) for p in prompts)
+    R = max(len(r) for r in responses)
+    B = len(prompts)
+    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + R), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, P - len(p):P] = torch.tensor(p)
+        input_ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention[i, P - len(p):P + len(r)] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention, position_ids, input_ids[:, P:], attention[:, P:]
+
+
+def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+                      with_entropy: bool = False):
+    """Per-token log pi(response token | prompt, earlier response tokens).
+
+    Returns (logp (B, R), mask (B, R), entropy (B, R) or None); R = longest response. Only the
+    logits of response positions are materialised (logits_to_keep), which matters for 150k vocabs."""
+    device = next(model.parameters()).device
+    input_ids, attention, position_ids, targets, mask = (
+        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
+    R = targets.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   logits_to_keep=R + 1, use_cache=False).logits[:, :-1].float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    return logp, mask.float(), entropy

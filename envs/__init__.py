@@ -1,0 +1,55 @@
+"""Environments behind one small interface.
+
+A game object has: reset() -> observation; step(command) -> (observation, reward, done, info)
+with info["won"] and info["valid"]; admissible_actions() -> list of commands; expert_action();
+and the attributes task_type and task_description. Rewards are sparse: 1.0 on success, else 0.
+
+    tasks = list_tasks("household", "train")      # task handles (seeds or ALFWorld game files)
+    game = make_game("household", tasks[0], max_steps=50)
+"""
+
+from __future__ import annotations
+
+from common import UsageError
+from envs import alfworld_env, household
+
+ENV_NAMES = ("household", "alfworld")
+TASK_TYPES = household.TASK_TYPES  # ALFWorld's six type names, shared by both environments
+SHORT_TYPE_NAMES = {"pick_and_place_simple": "pick", "look_at_obj_in_light": "look",
+                    "pick_clean_then_place_in_recep": "clean", "pick_heat_then_place_in_recep": "heat",
+                    "pick_cool_then_place_in_recep": "cool", "pick_two_obj_and_place": "pick2"}
+TRAIN_SPLIT = {"household": "train", "alfworld": "train"}
+EVAL_SPLITS = {"household": ("test",), "alfworld": ("valid_unseen", "valid_seen")}
+
+
+def _check(env_name: str) -> None:
+    if env_name not in ENV_NAMES:
+        raise UsageError(f"unknown environment {env_name!r}; choose one of: {', '.join(ENV_NAMES)}")
+
+
+def list_tasks(env_name: str, split: str, num_tasks: int | None = None) -> list:
+    """Task handles of a split, in a fixed order (the first num_tasks when given)."""
+    _check(env_name)
+    if env_name == "household":
+        try:
+            return household.task_seeds(split, num_tasks)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    files = alfworld_env.game_files(split)
+    return files[:num_tasks] if num_tasks else files
+
+
+def make_game(env_name: str, task, max_steps: int):
+    _check(env_name)
+    if env_name == "household":
+        return household.HouseholdEnv(household.generate_task(task), max_steps=max_steps)
+    return alfworld_env.AlfworldEnv(task, max_steps=max_steps)
+
+
+def vocabulary(env_name: str) -> list[str]:
+    """Words of the environment's texts, for the locally built `tiny` tokenizer."""
+    _check(env_name)
+    if env_name == "household":
+        return household.vocabulary()
+    raise UsageError("--model tiny builds its tokenizer over the built-in household's words; "
+                     "for --env alfworld pass a real model, e.g. --model Qwen2.5-1.5B-Instruct")

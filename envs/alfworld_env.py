@@ -1,0 +1,106 @@
+"""The real ALFWorld text environment (TextWorld engine, as in alfworld's AlfredTWEnv), one game
+per object, behind the same small interface as envs/household.py.
+
+Games are read from $ALFWORLD_DATA/json_2.1.1/<split>/<task>/<trial>/game.tw-pddl, which the
+`alfworld-download` command of the alfworld package fetches (the wheel ships no games). Like
+AlfredTWEnv we skip "movable" / "Sliced" trials and games marked unsolvable. Expert actions come
+from alfworld's hand-coded TextWorld expert (AlfredExpert wrapper), as in its DAgger training.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from common import UsageError
+
+SPLITS = ("train", "valid_seen", "valid_unseen")
+# Game folders start with the task type, e.g. pick_cool_then_place_in_recep-Apple-None-Fridge-1.
+TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+              "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep",
+              "pick_two_obj_and_place")
+DOWNLOAD_HINT = ("fetch the games with the alfworld package's own command:\n"
+                 "    pip install alfworld && export ALFWORLD_DATA=~/alfworld_data && alfworld-download\n"
+                 "(alfworld-download writes json_2.1.1/ under $ALFWORLD_DATA; keep ALFWORLD_DATA set "
+                 "when you run the scripts)")
+
+
+def data_root() -> str:
+    return os.path.expanduser(os.environ.get("ALFWORLD_DATA", "~/.cache/alfworld"))
+
+
+def task_type_of(game_file: str) -> str:
+    folder = os.path.basename(os.path.dirname(os.path.dirname(game_file)))
+    for t in TASK_TYPES:
+        if folder.startswith(t):
+            return t
+    raise ValueError(f"cannot tell the task type of {game_file}")
+
+
+def game_files(split: str) -> list[str]:
+    """Sorted solvable game files of a split; a clear UsageError when there are none."""
+    if split not in SPLITS:
+        raise UsageError(f"unknown ALFWorld split {split!r}; expected one of {', '.join(SPLITS)}")
+    pattern = os.path.join(data_root(), "json_2.1.1", split, "*", "*", "game.tw-pddl")
+    files = []
+    for path in sorted(glob.glob(pattern)):
+        if "movable" in path or "Sliced" in path:
+            continue
+        with open(path) as f:
+            if not json.load(f).get("solvable", False):
+                continue
+        files.append(path)
+    if not files:
+        raise UsageError(f"no ALFWorld games found: {pattern} matches nothing "
+                         f"(ALFWORLD_DATA={data_root()}).\n{DOWNLOAD_HINT}")
+    return files
+
+
+class AlfworldEnv:
+    """One ALFWorld game. reset() -> first observation; step(command) -> (obs, reward, done, info)."""
+
+    def __init__(self, game_file: str, max_steps: int = 50):
+        try:
+            import textworld
+            from alfworld.agents.environment.alfred_tw_env import (AlfredDemangler, AlfredExpert,
+                                                                   AlfredExpertType, AlfredInfos)
+        except ImportError as e:  # pragma: no cover - alfworld is in requirements.txt
+            raise UsageError(f"--env alfworld needs the alfworld package ({e}); pip install alfworld") from e
+        self.game_file, self.max_steps = game_file, max_steps
+        self.task_type = task_type_of(game_file)
+        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile", "expert_plan"])
+        wrappers = [AlfredDemangler(), AlfredInfos, AlfredExpert(expert_type=AlfredExpertType.HANDCODED)]
+        self._env = textworld.start(game_file, infos, wrappers=wrappers)
+        self._state = None
+        self.task_description = ""
+        self.steps = 0
+        self.won = False
+
+    def reset(self) -> str:
+        self._state = self._env.reset()
+        self.steps, self.won = 0, False
+        obs = self._state.feedback
+        # Drop TextWorld's banner; keep "You are in the middle of a room ... Your task is to: ...".
+        start = obs.find("You are in the middle")
+        obs = obs[start:].strip() if start >= 0 else obs.strip()
+        self.task_description = obs.split("Your task is to: ", 1)[-1].strip()
+        return obs
+
+    def admissible_actions(self) -> list[str]:
+        return [a for a in self._state["admissible_commands"] if a != "help"]
+
+    def expert_action(self) -> str:
+        return self._state["extra.expert_plan"][0]
+
+    def step(self, command: str) -> tuple[str, float, bool, dict]:
+        if self.won or self.steps >= self.max_steps:
+            raise RuntimeError("step() called on a finished game; call reset() first")
+        self.steps += 1
+        command = " ".join(command.strip().lower().split())
+        valid = command in self.admissible_actions()
+        # A non-admissible command still goes to the engine, which answers "Nothing happens.".
+        self._state, _, _ = self._env.step(command)
+        self.won = bool(self._state["won"])
+        done = self.won or self.steps >= self.max_steps
+        return self._state.feedback.strip(), float(self.won), done, {"won": self.won, "valid": valid}

@@ -1,0 +1,765 @@
+"""ProxMO: Proximity-based Multi-turn Optimization (Fang et al., 2026), single-file reference.
+
+ProxMO is GiGPO with two changes to the advantage:
+  * episode level (PSC, Eqs. 5-7): the GRPO z-score of each trajectory's 0/1 outcome is scaled by a
+    weight w(R, p) that depends on the group's success rate p - rare successes are pushed up a
+    little, failures in easy groups are pushed down a little;
+  * step level (PSA, Eqs. 8-11): every step's baseline is a softmax(similarity / tau)-weighted mean
+    of the discounted returns of all steps of its task group, the similarity being TF-IDF cosine
+    between the observation texts; step advantage = own return - soft baseline.
+  A = modulated episode advantage + omega * step advantage (Eq. 12), optimised with PPO-clip and a
+  KL penalty to the reference policy (Eq. 13). No critic, no learned reward model.
+
+Run:
+    python proxmo.py                                    # tiny model, built-in household, CPU, minutes
+    python proxmo.py --advantage grpo                   # the GRPO baseline on the same harness
+    python proxmo.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the paper's setting
+
+Sections: 1 arguments, 2 prompts and parsing, 3 ProxMO advantages, 4 GRPO/GiGPO baselines,
+5 policy loss, 6 rollouts, 7 behavior cloning, 8 evaluation, 9 training loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import envs
+from common import UsageError
+from common.envbatch import EnvBatch
+from common.generation import hf_generate, make_vllm_engine, vllm_generate
+from common.model import add_lora, load_lora, load_model_and_tokenizer, merge_lora, response_logprobs
+
+
+# ---- 1. Arguments --------------------------------------------------------------------------------
+@dataclass
+class Args:
+    """ProxMO (and the GRPO / GiGPO baselines) for multi-turn LLM agents.
+
+    Fields left at None take a preset: the paper's value (spec table) with a real model, a value
+    that trains in minutes on 2 CPU cores with `--model tiny`. The resolved values are printed."""
+
+    exp_name: str = "proxmo"
+    seed: int = 1
+    """seeds python, numpy and torch (task sampling, LoRA init, sampling during rollouts)"""
+    env: str = "household"
+    """household (built-in, no download) or alfworld (needs $ALFWORLD_DATA)"""
+    model: str = "tiny"
+    """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct) or tiny"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout generation: transformers generate (KV cache) or vLLM with the LoRA adapter (GPU)"""
+    device: str | None = None
+    """cuda if available, else cpu"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "llm-agent-credit-assignment"
+    run_dir: str = "runs"
+    resume: str | None = None
+    """a run directory (runs/NAME) to continue from its last checkpoint"""
+
+    # Advantage estimator: the method and the baselines it is compared against.
+    advantage: Literal["proxmo", "grpo", "gigpo"] = "proxmo"
+    psc_alpha: float = 4.0
+    """alpha, steepness of the success-rate modulation (Eq. 6)"""
+    psc_beta: float = 0.1
+    """beta, strength of the success-rate modulation (Eq. 6); 0 gives GRPO's episode term"""
+    proximity_temperature: float = 0.1
+    """tau of the softmax over TF-IDF similarities (Eq. 10)"""
+    gamma: float = 0.95
+    """discount of step returns (Eq. 8)"""
+    step_weight: float = 1.0
+    """omega, weight of the step advantage (Eq. 12)"""
+    use_std: bool = True
+    """divide episode advantages by the group std (paper); --no-use-std reproduces the release"""
+    tfidf_max_features: int = 1024
+    invalid_action_penalty: float = 0.0
+    """subtracted from a step's return when its action was not admissible"""
+
+    # RL
+    iterations: int | None = None
+    """[preset: tiny 20 | paper 150]"""
+    tasks_per_iteration: int | None = None
+    """[preset: tiny 8 | paper 16]"""
+    group_size: int = 8
+    """N trajectories per task"""
+    max_episode_steps: int = 50
+    learning_rate: float | None = None
+    """[preset: tiny 5e-4 | real model 1e-5 (paper's 1e-6 is for full fine-tuning)]"""
+    clip_eps: float = 0.2
+    kl_coef: float = 0.01
+    entropy_coef: float = 0.0
+    ppo_epochs: int = 1
+    minibatch_size: int = 256
+    """step samples per optimizer step"""
+    micro_batch_size: int | None = None
+    """step samples per forward pass [preset: tiny 64 | real 8]"""
+    max_grad_norm: float = 1.0
+    rollout_temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+    """[preset: tiny 12 | real 512]"""
+    max_prompt_tokens: int = 2048
+    history_length: int = 2
+    """past (observation, action) pairs shown in the prompt"""
+    reasoning: bool | None = None
+    """ask for <think> reasoning before the action [preset: tiny False | real True]"""
+
+    # LoRA
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names, or all-linear"""
+
+    # Behavior cloning on expert trajectories (0 epochs skips it; the paper starts from Instruct)
+    bc_epochs: int | None = None
+    """[preset: tiny 3 | real 0]"""
+    bc_num_tasks: int = 400
+    bc_learning_rate: float | None = None
+    """[preset: tiny 2e-3 | real 1e-4]"""
+    bc_batch_size: int = 32
+
+    # Evaluation (greedy unless --eval-temperature > 0; the paper samples at 0.4)
+    eval_every: int = 5
+    eval_num_tasks: int | None = None
+    """test tasks per split [preset: tiny 192 | real: whole split]"""
+    eval_temperature: float = 0.0
+    save_every: int = 10
+
+    # vLLM
+    vllm_gpu_memory_utilization: float = 0.35
+
+
+def resolve_presets(args: Args) -> Args:
+    tiny = args.model == "tiny"
+    presets = dict(iterations=(20, 150), tasks_per_iteration=(8, 16), learning_rate=(5e-4, 1e-5),
+                   micro_batch_size=(64, 8), max_new_tokens=(12, 512), reasoning=(False, True),
+                   bc_epochs=(3, 0), bc_learning_rate=(2e-3, 1e-4), eval_num_tasks=(192, 0))
+    for name, (tiny_value, real_value) in presets.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tiny_value if tiny else real_value)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.backend == "vllm" and not args.device.startswith("cuda"):
+        raise UsageError("--backend vllm needs a CUDA GPU; use --backend hf on CPU")
+    return args
+
+
+# ---- 2. Prompts and action parsing ------------------------------------------------------------------
+PROMPT_INTRO = "You are an agent in a household. Your task is to: {task}"
+PROMPT_HISTORY = "You have taken {steps} step(s). Your last {k} observation(s) and action(s):"
+PROMPT_NOW = "Step {step}. Current observation: {obs}\nAdmissible actions: {actions}"
+ASK_REASONING = ("First think step by step inside <think> </think>, then give exactly one admissible "
+                 "action inside <action> </action>.")
+ASK_ACTION = "Reply with exactly one admissible action inside <action> </action>."
+PROMPT_WORDS = re.findall(r"[a-z]+", " ".join([PROMPT_INTRO, PROMPT_HISTORY, PROMPT_NOW, ASK_REASONING,
+                                               ASK_ACTION, "observation action"]).lower())
+
+
+def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible: list[str], step: int,
+                 history_length: int, reasoning: bool) -> str:
+    """The user message at one step: task, last `history_length` (obs, action) pairs, current
+    observation and admissible actions (the GiGPO/ProxMO ALFWorld template, in our own words)."""
+    lines = [PROMPT_INTRO.format(task=task)]
+    recent = history[-history_length:] if history_length > 0 else []
+    if recent:
+        lines.append(PROMPT_HISTORY.format(steps=len(history), k=len(recent)))
+        first = len(history) - len(recent) + 1
+        for k, (past_obs, past_action) in enumerate(recent):
+            lines.append(f"[observation {first + k}] {past_obs} [action {first + k}] {past_action}")
+    lines.append(PROMPT_NOW.format(step=step, obs=obs, actions=", ".join(f'"{a}"' for a in admissible)))
+    lines.append(ASK_REASONING if reasoning else ASK_ACTION)
+    return "\n".join(lines)
+
+
+def encode_prompt(tokenizer, text: str, max_tokens: int) -> list[int]:
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+    ids = tokenizer(chat, add_special_tokens=False).input_ids
+    return ids[-max_tokens:]  # an over-long prompt loses its oldest history first
+
+
+ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
+
+
+def parse_action(response: str) -> str | None:
+    """The lowercased text of the last <action>...</action>, or None when there is none."""
+    found = ACTION_RE.findall(response)
+    if not found:
+        return None
+    action = " ".join(found[-1].strip().strip('"').lower().split())
+    return action or None
+
+
+# ---- 3. ProxMO advantages (pure functions, float64, no grad) -----------------------------------------
+TOKEN_RE = re.compile(r"(?u)\b\w\w+\b")
+
+
+def discounted_returns(rewards: Tensor, gamma: float) -> Tensor:
+    """(T,) -> (T,), Eq. 8: R_t = r_t + gamma * R_{t+1}, R_T = r_T."""
+    out = torch.zeros(len(rewards), dtype=torch.float64)
+    running = 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        running = float(rewards[t]) + gamma * running
+        out[t] = running
+    return out
+
+
+def tfidf_vectors(texts: list[str], max_features: int = 1024) -> Tensor:
+    """(M, V) TF-IDF rows, L2-normalised; a text with no token keeps an all-zero row (Eq. 9).
+
+    Conventions of scikit-learn's TfidfVectorizer defaults: lowercase, tokens = runs of 2+ word
+    characters, tf = raw count, idf = ln((1 + n) / (1 + df)) + 1, the `max_features` terms with the
+    largest total count (ties: alphabetical)."""
+    docs = [Counter(TOKEN_RE.findall(t.lower())) for t in texts]
+    totals: Counter = Counter()
+    df: Counter = Counter()
+    for d in docs:
+        totals.update(d)
+        df.update(d.keys())
+    terms = sorted(sorted(totals), key=lambda w: -totals[w])[:max_features]
+    column = {w: j for j, w in enumerate(sorted(terms))}
+    n = len(texts)
+    idf = torch.tensor([math.log((1 + n) / (1 + df[w])) + 1 for w in sorted(terms)], dtype=torch.float64)
+    vectors = torch.zeros(n, len(column), dtype=torch.float64)
+    for i, d in enumerate(docs):
+        for w, count in d.items():
+            if w in column:
+                vectors[i, column[w]] = count
+    vectors *= idf
+    norms = vectors.norm(dim=1, keepdim=True)
+    return torch.where(norms > 0, vectors / norms.clamp(min=1e-300), vectors)
+
+
+def cosine_similarity(vectors: Tensor) -> Tensor:
+    """(M, V) unit (or zero) rows -> (M, M) cosine similarities (Eq. 9)."""
+    return vectors @ vectors.T
+
+
+def group_zscore(values: Tensor, eps: float = 1e-6, use_std: bool = True) -> Tensor:
+    """(N,) -> (N,). All equal (N == 1 included) -> exact zeros; else (v - mean) / (sigma + eps) with
+    the population std (Eq. 5), or v - mean when use_std is False."""
+    values = values.to(torch.float64)
+    if values.numel() == 0 or values.max() == values.min():
+        return torch.zeros_like(values)
+    centred = values - values.mean()
+    return centred / (values.std(unbiased=False) + eps) if use_std else centred
+
+
+def psc_weights(success: Tensor, p: float, alpha: float = 4.0, beta: float = 0.1) -> Tensor:
+    """(N,) bool -> (N,) Eq. 6: w = 1 + beta * f, f(success) = sigmoid((1-p)^alpha) - 0.5,
+    f(failure) = sigmoid(-(p^alpha)) - 0.5. Powers, not products; w stays in [1 - 0.231*beta,
+    1 + 0.231*beta]."""
+    p = float(p)
+    w_success = 1.0 + beta * (1.0 / (1.0 + math.exp(-((1.0 - p) ** alpha))) - 0.5)
+    w_failure = 1.0 + beta * (1.0 / (1.0 + math.exp(p ** alpha)) - 0.5)
+    return torch.where(success.bool(), torch.tensor(w_success, dtype=torch.float64),
+                       torch.tensor(w_failure, dtype=torch.float64))
+
+
+def proxmo_episode_advantages(outcomes: Tensor, alpha: float = 4.0, beta: float = 0.1, eps: float = 1e-6,
+                              use_std: bool = True) -> Tensor:
+    """(N,) outcomes of one group -> (N,) modulated episode advantages, Eq. 7: z-score * w(R, p),
+    success = outcome > 0.5, p = success rate. beta = 0 gives plain GRPO."""
+    success = outcomes > 0.5
+    p = success.to(torch.float64).mean().item()
+    return group_zscore(outcomes, eps, use_std) * psc_weights(success, p, alpha, beta)
+
+
+def proximity_baselines(returns: Tensor, sim: Tensor, temperature: float = 0.1) -> tuple[Tensor, Tensor]:
+    """returns (M,) and sim (M, M) of the steps of ONE group -> (weights (M, M), baselines (M,)).
+
+    weights = row-softmax(sim / temperature) with the row max subtracted (Eq. 10; stable for tiny
+    temperatures); baselines = weights @ returns (Eq. 11)."""
+    logits = sim.to(torch.float64) / temperature
+    weights = torch.softmax(logits - logits.max(dim=1, keepdim=True).values, dim=1)
+    return weights, weights @ returns.to(torch.float64)
+
+
+def proxmo_step_advantages(returns: list[Tensor], sim: Tensor, temperature: float = 0.1) -> list[Tensor]:
+    """Eq. 11 on one group: returns[i] (T_i,) of trajectory i; sim (M, M) over the flattened steps
+    (trajectory-major, M = sum T_i) -> A^S = R - B split back into per-trajectory (T_i,) tensors."""
+    flat = torch.cat([r.to(torch.float64) for r in returns])
+    _, baselines = proximity_baselines(flat, sim, temperature)
+    return list(torch.split(flat - baselines, [len(r) for r in returns]))
+
+
+def proxmo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], sim: Tensor, *, alpha: float = 4.0,
+                            beta: float = 0.1, temperature: float = 0.1, gamma: float = 0.95,
+                            omega: float = 1.0, eps: float = 1e-6, use_std: bool = True,
+                            step_penalties: list[Tensor] | None = None) -> list[Tensor]:
+    """Eq. 12 for one group of N trajectories: A[i][t] = A~E[i] + omega * A^S[i][t].
+
+    outcomes (N,) in {0, 1}; step_rewards[i] (T_i,); sim (M, M) over the group's flattened steps.
+    step_penalties[i] (T_i,), if given, are subtracted from the discounted returns before the
+    baselines. Returns N tensors of shape (T_i,)."""
+    returns = [discounted_returns(r, gamma) for r in step_rewards]
+    if step_penalties is not None:
+        returns = [r - p.to(torch.float64) for r, p in zip(returns, step_penalties)]
+    episode = proxmo_episode_advantages(outcomes, alpha, beta, eps, use_std)
+    step = proxmo_step_advantages(returns, sim, temperature)
+    return [episode[i] + omega * step[i] for i in range(len(step_rewards))]
+
+
+def proxmo_batch_advantages(outcomes: list[float], step_rewards: list[Tensor], states: list[list[str]],
+                            group_ids: list, max_features: int = 1024,
+                            step_penalties: list[Tensor] | None = None, **hp) -> list[Tensor]:
+    """A whole batch: TF-IDF is fitted once on ALL anchor texts of the batch (as in the release);
+    similarities and baselines stay inside each group. Output aligned with the input order.
+    hp: alpha, beta, temperature, gamma, omega, eps, use_std of proxmo_group_advantages."""
+    vectors = tfidf_vectors([s for traj in states for s in traj], max_features)
+    offsets = np.cumsum([0] + [len(s) for s in states])
+    members: dict = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    out: list[Tensor] = [torch.empty(0)] * len(states)
+    for idx in members.values():
+        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx])
+        sim = cosine_similarity(vectors[rows])
+        penalties = [step_penalties[i] for i in idx] if step_penalties is not None else None
+        advs = proxmo_group_advantages(torch.tensor([outcomes[i] for i in idx], dtype=torch.float64),
+                                       [step_rewards[i] for i in idx], sim, step_penalties=penalties, **hp)
+        for i, a in zip(idx, advs):
+            out[i] = a
+    return out
+
+
+# ---- 4. Baselines ProxMO reduces to: GRPO and GiGPO ------------------------------------------------------
+def grpo_advantages(outcomes: Tensor, eps: float = 1e-6, use_std: bool = True) -> Tensor:
+    """(N,) -> (N,) GRPO episode advantage (Eq. 5); the same value is used for every step."""
+    return group_zscore(outcomes, eps, use_std)
+
+
+def gigpo_step_advantages(returns: list[Tensor], states: list[list[str]], eps: float = 1e-6,
+                          use_std: bool = True) -> list[Tensor]:
+    """GiGPO step advantages of one group: anchor groups = steps whose state strings are exactly
+    equal (any time index, any trajectory); group_zscore of the returns inside each anchor group
+    (a singleton gets 0). returns[i], states[i] have length T_i; output (T_i,) per trajectory."""
+    flat_returns = torch.cat([r.to(torch.float64) for r in returns])
+    flat_states = [s for traj in states for s in traj]
+    anchors: dict[str, list[int]] = defaultdict(list)
+    for k, s in enumerate(flat_states):
+        anchors[s].append(k)
+    out = torch.zeros_like(flat_returns)
+    for rows in anchors.values():
+        out[rows] = group_zscore(flat_returns[rows], eps, use_std)
+    return list(torch.split(out, [len(r) for r in returns]))
+
+
+def gigpo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], states: list[list[str]],
+                           gamma: float = 0.95, omega: float = 1.0, eps: float = 1e-6,
+                           use_std: bool = True) -> list[Tensor]:
+    """GiGPO (its Eq. 8): A[i][t] = grpo_advantages[i] + omega * gigpo_step_advantages[i][t]."""
+    returns = [discounted_returns(r, gamma) for r in step_rewards]
+    episode = grpo_advantages(outcomes, eps, use_std)
+    step = gigpo_step_advantages(returns, states, eps, use_std)
+    return [episode[i] + omega * step[i] for i in range(len(step_rewards))]
+
+
+def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
+    """Per-step advantages of every trajectory of a batch with the chosen estimator."""
+    outcomes = [float(t["won"]) for t in trajectories]
+    rewards = [torch.tensor(t["rewards"], dtype=torch.float64) for t in trajectories]
+    states = [[s["state"] for s in t["steps"]] for t in trajectories]
+    penalties = [torch.tensor([args.invalid_action_penalty * (not s["valid"]) for s in t["steps"]],
+                              dtype=torch.float64) for t in trajectories]
+    groups = [t["group"] for t in trajectories]
+    if args.advantage == "proxmo":
+        return proxmo_batch_advantages(outcomes, rewards, states, groups, max_features=args.tfidf_max_features,
+                                       step_penalties=penalties, alpha=args.psc_alpha, beta=args.psc_beta,
+                                       temperature=args.proximity_temperature, gamma=args.gamma,
+                                       omega=args.step_weight, use_std=args.use_std)
+    out: list[Tensor] = [torch.empty(0)] * len(trajectories)
+    members: dict = defaultdict(list)
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    for idx in members.values():
+        group_outcomes = torch.tensor([outcomes[i] for i in idx], dtype=torch.float64)
+        if args.advantage == "grpo":
+            episode = grpo_advantages(group_outcomes, use_std=args.use_std)
+            advs = [episode[k].expand(len(rewards[i])) - penalties[i] for k, i in enumerate(idx)]
+        else:
+            advs = gigpo_group_advantages(group_outcomes, [rewards[i] - penalties[i] for i in idx],
+                                          [states[i] for i in idx], gamma=args.gamma, omega=args.step_weight,
+                                          use_std=args.use_std)
+        for i, a in zip(idx, advs):
+            out[i] = a
+    return out
+
+
+# ---- 5. Policy loss (Eq. 13) ------------------------------------------------------------------------------
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor,
+                  clip_eps: float = 0.2, kl_coef: float = 0.01, entropy: Tensor | None = None,
+                  entropy_coef: float = 0.0) -> Tensor:
+    """Token-level clipped surrogate + k3 KL to the reference - entropy bonus, token-mean over mask.
+
+    logp, old_logp, ref_logp, mask (and entropy): (B, L); advantages: (B,) one value per step,
+    used for every token of its response, or (B, L)."""
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    ratio = torch.exp(logp - old_logp)
+    surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    log_ratio_ref = ref_logp - logp
+    kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(-10, 10)  # k3 ("low_var_kl")
+    per_token = -surrogate + kl_coef * kl
+    if entropy is not None and entropy_coef:
+        per_token = per_token - entropy_coef * entropy
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+# ---- 6. Rollouts -----------------------------------------------------------------------------------------
+class Policy:
+    """What a rollout needs to act: the model, its tokenizer and the chosen generation backend."""
+
+    def __init__(self, args: Args, model, tokenizer, engine=None):
+        self.args, self.model, self.tokenizer, self.engine = args, model, tokenizer, engine
+        self.eos_ids = [tokenizer.eos_token_id]
+        self.adapter_path, self.adapter_version = "", 0
+
+    def sync(self, run_path: str) -> None:
+        """vLLM reads the adapter from disk: write the current one under a new version id."""
+        if self.engine is not None:
+            self.adapter_version += 1
+            self.adapter_path = os.path.join(run_path, "vllm_adapter")
+            self.model.save_pretrained(self.adapter_path)
+
+    def generate(self, prompts: list[list[int]], temperature: float) -> list[list[int]]:
+        a = self.args
+        if self.engine is not None:
+            return vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
+                                 adapter_version=self.adapter_version, eos_ids=self.eos_ids,
+                                 max_new_tokens=a.max_new_tokens, temperature=temperature, top_p=a.top_p)
+        return hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id, eos_ids=self.eos_ids,
+                           max_new_tokens=a.max_new_tokens, temperature=temperature, top_p=a.top_p,
+                           batch_size=max(a.micro_batch_size, 64))
+
+
+def rollout(args: Args, policy: Policy | None, tasks: list, group_ids: list, temperature: float,
+            expert: bool = False) -> list[dict]:
+    """Play one game per task in lock-step until all finish. With expert=True the env's expert acts
+    (behavior-cloning data) and the policy is not called.
+
+    Each trajectory: {"task_type", "group", "won", "rewards": [r_t], "steps": [{"prompt_ids",
+    "response_ids", "state" (raw observation = anchor text), "action", "valid"}]}."""
+    games = [envs.make_game(args.env, t, args.max_episode_steps) for t in tasks]
+    batch = EnvBatch(games)
+    batch.reset()
+    trajs = [{"task_type": g.task_type, "group": gid, "won": False, "rewards": [], "steps": [], "history": []}
+             for g, gid in zip(games, group_ids)]
+    tokenizer = policy.tokenizer if policy is not None else None
+    while batch.active():
+        active = batch.active()
+        prompts = []
+        for i in active:
+            g, tr = games[i], trajs[i]
+            text = build_prompt(g.task_description, tr["history"], batch.observations[i], g.admissible_actions(),
+                                len(tr["steps"]) + 1, args.history_length, args.reasoning)
+            prompts.append(encode_prompt(tokenizer, text, args.max_prompt_tokens) if tokenizer else text)
+        if expert:
+            responses = [None] * len(active)
+            commands = [games[i].expert_action() for i in active]
+        else:
+            responses = policy.generate(prompts, temperature)
+            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            parsed = [parse_action(t) for t in texts]
+            # No <action> tag: the env gets the reply's tail, which is never admissible.
+            commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
+        states = {i: batch.observations[i] for i in active}
+        results = batch.step(dict(zip(active, commands)))
+        for k, i in enumerate(active):
+            obs, reward, done, info = results[i]
+            tr = trajs[i]
+            tr["steps"].append({"prompt_ids": prompts[k], "response_ids": responses[k], "state": states[i],
+                                "action": commands[k], "valid": bool(info["valid"])})
+            tr["rewards"].append(reward)
+            tr["history"].append((states[i], commands[k]))
+            tr["won"] = bool(info["won"])
+    for tr in trajs:
+        del tr["history"]
+    return trajs
+
+
+# ---- 7. Behavior cloning on expert trajectories -----------------------------------------------------------
+def expert_response(action: str, reasoning: bool) -> str:
+    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
+            else f"<action>{action}</action>")
+
+
+def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
+    """SFT on the env expert's trajectories: cross-entropy on the response tokens only. Trains the
+    LoRA adapter of `model` in place; returns stats."""
+    rng = random.Random(args.seed + 1)
+    tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
+    demos = rollout(args, None, tasks, list(range(len(tasks))), 0.0, expert=True)
+    samples = []
+    for tr in demos:
+        for s in tr["steps"]:
+            prompt = encode_prompt(tokenizer, s["prompt_ids"], args.max_prompt_tokens)
+            response = tokenizer(expert_response(s["action"], args.reasoning), add_special_tokens=False).input_ids
+            samples.append((prompt, response + [tokenizer.eos_token_id]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
+    total_steps = args.bc_epochs * math.ceil(len(samples) / args.bc_batch_size)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(total_steps, 1))
+    print(f"behavior cloning: {len(demos)} expert trajectories, {len(samples)} steps, "
+          f"{args.bc_epochs} epochs, {total_steps} updates")
+    model.train()
+    progress = _progress(total_steps, "bc")
+    loss_value = float("nan")
+    for _ in range(args.bc_epochs):
+        rng.shuffle(samples)
+        for start in range(0, len(samples), args.bc_batch_size):
+            chunk = samples[start:start + args.bc_batch_size]
+            logp, mask, _ = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk],
+                                              tokenizer.pad_token_id)
+            loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            loss_value = loss.item()
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_value:.3f}")
+    progress.close()
+    return {"bc/loss": loss_value, "bc/steps": len(samples), "bc/expert_success": np.mean([t["won"] for t in demos])}
+
+
+# ---- 8. Evaluation -----------------------------------------------------------------------------------------
+def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
+    """Success rate overall and per task type, and grounding accuracy (share of admissible actions)."""
+    trajs = rollout(args, policy, tasks, list(range(len(tasks))), args.eval_temperature)
+    by_type: dict[str, list[bool]] = defaultdict(list)
+    for t in trajs:
+        by_type[t["task_type"]].append(t["won"])
+    steps = [s for t in trajs for s in t["steps"]]
+    stats = {f"eval_{split}/success": float(np.mean([t["won"] for t in trajs])),
+             f"eval_{split}/grounding": float(np.mean([s["valid"] for s in steps])),
+             f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs]))}
+    for task_type, wins in sorted(by_type.items()):
+        stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
+    return stats
+
+
+# ---- 9. Training loop ---------------------------------------------------------------------------------------
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, disable=None)
+
+
+def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple], generator: torch.Generator) -> dict:
+    """PPO over the step samples (prompt_ids, response_ids, advantage): old and reference log-probs
+    first, then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation."""
+    pad, mb = tokenizer.pad_token_id, args.micro_batch_size
+    device = next(model.parameters()).device
+
+    def logprobs_no_grad(reference: bool) -> list[Tensor]:
+        out = []
+        with torch.no_grad():
+            for s in range(0, len(samples), mb):
+                chunk = samples[s:s + mb]
+                if reference:
+                    with model.disable_adapter():
+                        lp, _, _ = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk], pad)
+                else:
+                    lp, _, _ = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk], pad)
+                out += [row[:len(c[1])] for row, c in zip(lp, chunk)]
+        return out
+
+    model.eval()  # no dropout when scoring the rollout policy
+    old_logp, ref_logp = logprobs_no_grad(False), logprobs_no_grad(True)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    stats = defaultdict(list)
+    for _ in range(args.ppo_epochs):
+        order = torch.randperm(len(samples), generator=generator).tolist()
+        for start in range(0, len(order), args.minibatch_size):
+            mini = order[start:start + args.minibatch_size]
+            n_tokens = sum(len(samples[i][1]) for i in mini)
+            optimizer.zero_grad(set_to_none=True)
+            for s in range(0, len(mini), mb):
+                idx = mini[s:s + mb]
+                logp, mask, entropy = response_logprobs(model, [samples[i][0] for i in idx],
+                                                        [samples[i][1] for i in idx], pad,
+                                                        with_entropy=args.entropy_coef > 0)
+                L = logp.shape[1]
+                pad_to = lambda rows: torch.stack([torch.nn.functional.pad(r, (0, L - len(r))) for r in rows]).to(device)
+                old, ref = pad_to([old_logp[i] for i in idx]), pad_to([ref_logp[i] for i in idx])
+                adv = torch.tensor([samples[i][2] for i in idx], dtype=torch.float32, device=device)
+                mask = mask.to(device)
+                loss = ppo_clip_loss(logp, old, ref, adv, mask, args.clip_eps, args.kl_coef, entropy, args.entropy_coef)
+                (loss * mask.sum() / n_tokens).backward()  # token-mean over the whole mini-batch
+                with torch.no_grad():
+                    ratio = torch.exp(logp - old)
+                    stats["clip_fraction"].append((((ratio - 1).abs() > args.clip_eps).float() * mask).sum().item() / mask.sum().item())
+                    stats["kl_ref"].append((((torch.exp(ref - logp) - (ref - logp) - 1) * mask).sum() / mask.sum()).item())
+                    stats["loss"].append(loss.item())
+            stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)))
+            optimizer.step()
+    return {f"train/{k}": float(np.mean(v)) for k, v in stats.items()}
+
+
+def main(args: Args) -> dict:
+    args = resolve_presets(args)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    os.makedirs(run_path, exist_ok=True)
+    print(json.dumps(asdict(args), indent=1))
+
+    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
+    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
+                  for split in envs.EVAL_SPLITS[args.env]}
+    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny" else None
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(run_path)
+    if args.track:
+        import wandb
+
+        wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_path)
+
+    def log(stats: dict, step: int) -> None:
+        for k, v in stats.items():
+            writer.add_scalar(k, v, step)
+        if args.track:
+            wandb.log(stats, step=step)
+
+    # Model: base (or the merged behavior-cloned model of this run), then the LoRA adapter trained by RL.
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    bc_path = os.path.join(run_path, "bc_model")
+    resumed_bc = args.resume and os.path.isdir(bc_path)
+    model, tokenizer = load_model_and_tokenizer(bc_path if resumed_bc else args.model, vocabulary=vocab,
+                                                seed=args.seed, dtype=dtype, device=args.device)
+    targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+    history: dict = {}
+    if args.bc_epochs > 0 and not args.resume:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+        policy = Policy(args, model, tokenizer)
+        before = evaluate(args, policy, envs.EVAL_SPLITS[args.env][0], eval_tasks[envs.EVAL_SPLITS[args.env][0]][:64])
+        t0 = time.time()
+        stats = behavior_cloning(args, model, tokenizer, train_tasks)
+        stats["bc/seconds"] = time.time() - t0
+        model = merge_lora(model)
+        model.save_pretrained(bc_path)
+        tokenizer.save_pretrained(bc_path)
+        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s (loss {stats['bc/loss']:.3f}; "
+              f"success on 64 test tasks before BC: {before[next(iter(before))]:.3f})")
+        log(stats, 0)
+    checkpoint = os.path.join(run_path, "checkpoint")
+    if args.resume:
+        if not os.path.isdir(checkpoint):
+            raise UsageError(f"--resume {args.resume}: no checkpoint/ folder in it")
+        model = load_lora(model, checkpoint)
+    else:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+    model.print_trainable_parameters()
+
+    engine = None
+    if args.backend == "vllm":
+        base_path = bc_path if os.path.isdir(bc_path) else args.model
+        engine = make_vllm_engine(base_path, max_lora_rank=args.lora_r, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                                  max_model_len=args.max_prompt_tokens + args.max_new_tokens, seed=args.seed)
+    policy = Policy(args, model, tokenizer, engine)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=0.0)
+    generator = torch.Generator().manual_seed(args.seed)
+    task_rng = random.Random(args.seed)
+    start_iteration = 0
+    if args.resume:
+        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        task_rng.setstate(state["task_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        start_iteration, history = state["iteration"], state["history"]
+        print(f"resumed from {checkpoint} at iteration {start_iteration}")
+
+    def run_eval(iteration: int) -> None:
+        policy.sync(run_path)
+        for split, tasks in eval_tasks.items():
+            t0 = time.time()
+            stats = evaluate(args, policy, split, tasks)
+            log(stats, iteration)
+            history.setdefault(iteration, {}).update(stats)
+            per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}" for k, v in stats.items() if "/success_" in k)
+            print(f"[eval {split} @ iter {iteration}] success {stats[f'eval_{split}/success']:.3f} "
+                  f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) [{time.time() - t0:.0f}s]")
+
+    if start_iteration == 0:
+        run_eval(0)
+    progress = _progress(args.iterations, "rl")
+    progress.update(start_iteration)
+    for iteration in range(start_iteration + 1, args.iterations + 1):
+        t0 = time.time()
+        # (1) B tasks x N copies, (2) lock-step rollouts, (3) 0/1 outcomes.
+        batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
+        policy.sync(run_path)
+        trajs = rollout(args, policy, [t for t in batch_tasks for _ in range(args.group_size)],
+                        [g for g in range(len(batch_tasks)) for _ in range(args.group_size)], args.rollout_temperature)
+        rollout_seconds = time.time() - t0
+        # (4) advantages, one scalar per step.
+        advantages = compute_advantages(args, trajs)
+        samples = [(s["prompt_ids"], s["response_ids"], float(a))
+                   for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
+        # (5, 6) old / reference log-probs and the clipped policy-gradient update.
+        stats = policy_update(args, model, tokenizer, optimizer, samples, generator)
+        n_tokens = sum(len(s[1]) for s in samples)
+        steps = [s for tr in trajs for s in tr["steps"]]
+        stats.update({"rollout/success": float(np.mean([t["won"] for t in trajs])),
+                      "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+                      "rollout/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
+                      "rollout/step_samples": len(samples),
+                      "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
+                      "time/rollout_seconds": rollout_seconds, "time/iteration_seconds": time.time() - t0,
+                      "train/advantage_abs_mean": float(np.mean([abs(s[2]) for s in samples]))})
+        log(stats, iteration)
+        progress.update(1)
+        progress.set_postfix(success=f"{stats['rollout/success']:.2f}", ground=f"{stats['rollout/grounding']:.2f}",
+                             kl=f"{stats['train/kl_ref']:.4f}", s_it=f"{stats['time/iteration_seconds']:.1f}")
+        if iteration % args.eval_every == 0 or iteration == args.iterations:
+            run_eval(iteration)
+        if iteration % args.save_every == 0 or iteration == args.iterations:
+            model.save_pretrained(checkpoint)
+            torch.save({"optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                        "task_rng": task_rng.getstate(), "torch_rng": torch.get_rng_state(),
+                        "iteration": iteration, "history": history}, os.path.join(checkpoint, "trainer_state.pt"))
+    progress.close()
+    writer.close()
+    if args.track:
+        wandb.finish()
+    first_split = envs.EVAL_SPLITS[args.env][0]
+    key = f"eval_{first_split}/success"
+    summary = {"start_success": history.get(0, {}).get(key), "final_success": history[max(history)][key],
+               "best_success": max(h[key] for h in history.values() if key in h), "run_path": run_path}
+    print(f"done: {first_split} success {summary['start_success']} (start) -> {summary['final_success']:.3f} "
+          f"(final), best {summary['best_success']:.3f}; logs and checkpoint in {run_path}")
+    return summary
+
+
+if __name__ == "__main__":
+    import tyro
+
+    try:
+        main(tyro.cli(Args))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
