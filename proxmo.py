@@ -126,6 +126,9 @@ class Args:
     # Behavior cloning on expert trajectories (0 epochs skips it; the paper starts from Instruct)
     bc_epochs: int | None = None
     """[preset: tiny 3 | real 0]"""
+    bc_full_params: bool | None = None
+    """train every weight during BC instead of a LoRA adapter [preset: tiny True (its random
+    embeddings and norms are out of LoRA's reach) | real False]"""
     bc_num_tasks: int = 400
     bc_learning_rate: float | None = None
     """[preset: tiny 2e-3 | real 1e-4]"""
@@ -146,7 +149,8 @@ def resolve_presets(args: Args) -> Args:
     tiny = args.model == "tiny"
     presets = dict(iterations=(20, 150), tasks_per_iteration=(8, 16), learning_rate=(5e-4, 1e-5),
                    micro_batch_size=(64, 8), max_new_tokens=(12, 512), reasoning=(False, True),
-                   bc_epochs=(3, 0), bc_learning_rate=(2e-3, 1e-4), eval_num_tasks=(192, 0))
+                   bc_epochs=(3, 0), bc_full_params=(True, False), bc_learning_rate=(2e-3, 1e-4),
+                   eval_num_tasks=(192, 0))
     for name, (tiny_value, real_value) in presets.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny_value if tiny else real_value)
@@ -179,7 +183,7 @@ def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible
         first = len(history) - len(recent) + 1
         for k, (past_obs, past_action) in enumerate(recent):
             lines.append(f"[observation {first + k}] {past_obs} [action {first + k}] {past_action}")
-    lines.append(PROMPT_NOW.format(step=step, obs=obs, actions=", ".join(f'"{a}"' for a in admissible)))
+    lines.append(PROMPT_NOW.format(step=step, obs=obs, actions=", ".join(admissible)))
     lines.append(ASK_REASONING if reasoning else ASK_ACTION)
     return "\n".join(lines)
 
@@ -499,7 +503,7 @@ def expert_response(action: str, reasoning: bool) -> str:
 
 def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     """SFT on the env expert's trajectories: cross-entropy on the response tokens only. Trains the
-    LoRA adapter of `model` in place; returns stats."""
+    parameters of `model` that require grad (a LoRA adapter, or all of them) in place."""
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
     demos = rollout(args, None, tasks, list(range(len(tasks))), 0.0, expert=True)
@@ -532,7 +536,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             scheduler.step()
             loss_value = loss.item()
             progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.3f}")
+            progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
     progress.close()
     return {"bc/loss": loss_value, "bc/steps": len(samples), "bc/expert_success": np.mean([t["won"] for t in demos])}
 
@@ -557,7 +561,8 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
 def _progress(total: int, desc: str):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, disable=None)
+    # Also shown when stdout is a log file, at most every few seconds.
+    return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, mininterval=3.0)
 
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple], generator: torch.Generator) -> dict:
@@ -620,6 +625,8 @@ def main(args: Args) -> dict:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
     run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
+    if args.resume and not os.path.isfile(os.path.join(args.resume, "checkpoint", "trainer_state.pt")):
+        raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
     run_path = args.resume or os.path.join(args.run_dir, run_name)
     os.makedirs(run_path, exist_ok=True)
     print(json.dumps(asdict(args), indent=1))
@@ -652,22 +659,20 @@ def main(args: Args) -> dict:
     targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
     history: dict = {}
     if args.bc_epochs > 0 and not args.resume:
-        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
-        policy = Policy(args, model, tokenizer)
-        before = evaluate(args, policy, envs.EVAL_SPLITS[args.env][0], eval_tasks[envs.EVAL_SPLITS[args.env][0]][:64])
+        if not args.bc_full_params:
+            model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
         t0 = time.time()
         stats = behavior_cloning(args, model, tokenizer, train_tasks)
         stats["bc/seconds"] = time.time() - t0
-        model = merge_lora(model)
+        if not args.bc_full_params:
+            model = merge_lora(model)
+        model.requires_grad_(False)
         model.save_pretrained(bc_path)
         tokenizer.save_pretrained(bc_path)
-        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s (loss {stats['bc/loss']:.3f}; "
-              f"success on 64 test tasks before BC: {before[next(iter(before))]:.3f})")
+        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s (final loss {stats['bc/loss']:.3f})")
         log(stats, 0)
     checkpoint = os.path.join(run_path, "checkpoint")
     if args.resume:
-        if not os.path.isdir(checkpoint):
-            raise UsageError(f"--resume {args.resume}: no checkpoint/ folder in it")
         model = load_lora(model, checkpoint)
     else:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
@@ -734,7 +739,7 @@ def main(args: Args) -> dict:
         log(stats, iteration)
         progress.update(1)
         progress.set_postfix(success=f"{stats['rollout/success']:.2f}", ground=f"{stats['rollout/grounding']:.2f}",
-                             kl=f"{stats['train/kl_ref']:.4f}", s_it=f"{stats['time/iteration_seconds']:.1f}")
+                             kl=f"{stats['train/kl_ref']:.4f}", s_it=f"{stats['time/iteration_seconds']:.1f}", refresh=False)
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)
         if iteration % args.save_every == 0 or iteration == args.iterations:

@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import string
 
 import torch
 
@@ -30,18 +32,18 @@ TINY_CHAT_TEMPLATE = (
 def build_tiny_tokenizer(words: list[str]):
     """Word-level tokenizer: one id per word, digit and punctuation mark in `words` (plus 0-99
     and ASCII punctuation), special tokens and the reasoning/action tags."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab_words = set(words) | {str(i) for i in range(100)} | set("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+    vocab_words = set(words) | {str(i) for i in range(100)} | set(string.ascii_lowercase) | set(string.punctuation)
     vocab_words |= {"user", "assistant", "system"}
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_TAG_TOKENS)}
     for w in sorted(vocab_words - set(vocab)):
         vocab[w] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # words and runs of punctuation
-    tok.decoder = decoders.WordPiece()  # joins words with single spaces
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Punctuation("isolated")])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<|endoftext|>",
                                         eos_token="<|im_end|>",
                                         additional_special_tokens=["<|im_start|>"])
@@ -67,14 +69,11 @@ def build_tiny_model(vocab_size: int, seed: int, hidden_size: int = 128, num_lay
 
 def resolve_model_name(name: str) -> list[str]:
     """Where `name` may be found, in the order tried: the local directory, then hub ids."""
-    tried = []
     if os.path.isdir(os.path.expanduser(name)):
-        tried.append(os.path.expanduser(name))
-    if "/" in name:
-        tried.append(name)
-    elif re.match(r"(?i)qwen", name):
-        tried.append(f"Qwen/{name}")
-    return tried or [name]
+        return [os.path.expanduser(name)]
+    if "/" not in name and re.match(r"(?i)qwen", name):
+        return [f"Qwen/{name}"]
+    return [name]
 
 
 def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, seed: int = 0,
@@ -87,12 +86,12 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
         model = build_tiny_model(len(tokenizer), seed=seed)
         return model.to(device=device, dtype=dtype), tokenizer
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     errors = []
     for candidate in resolve_model_name(name):
         try:
-            tokenizer = AutoTokenizer.from_pretrained(candidate)
+            tokenizer = _load_tokenizer(candidate)
             model = AutoModelForCausalLM.from_pretrained(candidate, dtype=dtype)
         except (OSError, ValueError) as e:
             errors.append(f"  {candidate}: {str(e).splitlines()[0]}")
@@ -102,9 +101,24 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
             tokenizer.pad_token = tokenizer.eos_token
         return model.to(device), tokenizer
     local = os.path.abspath(os.path.expanduser(name))
+    if not os.path.isdir(local):
+        errors.append(f"  (no local directory {local})")
     raise UsageError(f"cannot load model {name!r}. Tried:\n" + "\n".join(errors)
-                     + f"\n  (no local directory {local})\nPass a local directory, a hub id such as "
-                       "Qwen/Qwen2.5-1.5B-Instruct (needs the hub or a filled HF cache), or 'tiny'.")
+                     + "\nPass a local directory, a hub id such as Qwen/Qwen2.5-1.5B-Instruct (needs the "
+                       "hub or a filled HF cache), or 'tiny'.")
+
+
+def _load_tokenizer(path: str):
+    """AutoTokenizer, except for a plain `tokenizers` tokenizer saved by us (the tiny one), which
+    AutoTokenizer would rebuild as the model type's tokenizer class with another decoder."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+                return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
 
 
 # ---- LoRA ------------------------------------------------------------------------------------------

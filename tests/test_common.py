@@ -1,0 +1,154 @@
+"""common/: model resolution and loading, the tiny tokenizer, LoRA round trips, generation,
+log-probabilities, env batching; and the action parser of the scripts."""
+
+import pytest
+import torch
+
+import envs
+from common import UsageError
+from common.envbatch import EnvBatch
+from common.generation import hf_generate
+from common.model import (add_lora, build_tiny_tokenizer, load_lora, load_model_and_tokenizer, merge_lora,
+                          pad_prompt_response, resolve_model_name, response_logprobs)
+from proxmo import PROMPT_WORDS, parse_action
+
+VOCAB = envs.vocabulary("household") + PROMPT_WORDS
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=0)
+
+
+def test_model_name_resolution(tmp_path):
+    assert resolve_model_name("Qwen2.5-1.5B-Instruct") == ["Qwen/Qwen2.5-1.5B-Instruct"]
+    assert resolve_model_name("meta-llama/Llama-3.2-1B") == ["meta-llama/Llama-3.2-1B"]
+    assert resolve_model_name(str(tmp_path)) == [str(tmp_path)]
+
+
+def test_unknown_model_fails_with_what_was_tried():
+    with pytest.raises(UsageError) as err:
+        load_model_and_tokenizer("Qwen-does-not-exist-0B")
+    message = str(err.value)
+    assert "Qwen/Qwen-does-not-exist-0B" in message and "Tried" in message
+
+
+def test_tiny_tokenizer_round_trip_and_chat_template(tiny):
+    _, tok = tiny
+    text = "<action> take apple 1 from countertop 2 </action>"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tok.unk_token_id not in ids
+    assert tok.decode(ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "Your task is to: put a mug in desk."}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert chat.startswith("<|im_start|>user\n") and chat.endswith("<|im_start|>assistant\n")
+    assert tok.unk_token_id not in tok(chat, add_special_tokens=False).input_ids
+
+
+def test_tiny_model_is_deterministic_per_seed():
+    a, _ = load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=3)
+    b, _ = load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=3)
+    c, _ = load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=4)
+    pa, pb, pc = (next(m.parameters()) for m in (a, b, c))
+    assert torch.equal(pa, pb) and not torch.equal(pa, pc)
+
+
+def test_local_directory_loads_the_same_model(tiny, tmp_path):
+    model, tok = tiny
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, tok2 = load_model_and_tokenizer(str(tmp_path))
+    ids = torch.tensor([tok("you arrive at desk 1 .").input_ids])
+    assert torch.allclose(model(ids).logits, loaded(ids).logits, atol=1e-6)
+    assert tok2.decode(ids[0]) == tok.decode(ids[0])
+    message = [{"role": "user", "content": "nothing happens ."}]
+    assert tok2.apply_chat_template(message, add_generation_prompt=True, tokenize=False) == \
+        tok.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+
+
+def test_lora_save_load_and_merge(tiny, tmp_path):
+    base, tok = tiny
+    ids = torch.tensor([tok("you open the drawer 2 .").input_ids])
+    reference = base(ids).logits
+    model = add_lora(base, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all("lora" in n for n, p in model.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        for p in trainable:
+            p.add_(0.05)
+    tuned = model(ids).logits
+    assert not torch.allclose(tuned, reference)
+    with model.disable_adapter():
+        assert torch.allclose(model(ids).logits, reference, atol=1e-6)
+    model.save_pretrained(tmp_path)
+    fresh, _ = load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=0)
+    reloaded = load_lora(fresh, str(tmp_path))
+    assert torch.allclose(reloaded(ids).logits, tuned, atol=1e-5)
+    merged = merge_lora(reloaded)
+    assert torch.allclose(merged(ids).logits, tuned, atol=1e-5)
+    with pytest.raises(UsageError):
+        load_lora(fresh, str(tmp_path / "missing"))
+
+
+def test_response_logprobs_match_an_unpadded_forward(tiny):
+    model, _ = tiny
+    prompts, responses = [[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14]]
+    logp, mask, _ = response_logprobs(model, prompts, responses, pad_id=0)
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        full = torch.log_softmax(model(torch.tensor([p + r])).logits[0].float(), -1)
+        expected = [full[len(p) - 1 + k, t].item() for k, t in enumerate(r)]
+        assert torch.allclose(logp[i, :len(r)], torch.tensor(expected), atol=1e-5)
+
+
+def test_pad_prompt_response_layout():
+    ids, attention, positions, targets, mask = pad_prompt_response([[1, 2], [3]], [[4], [5, 6]], pad_id=0)
+    assert ids.tolist() == [[1, 2, 4, 0], [0, 3, 5, 6]]
+    assert attention.tolist() == [[1, 1, 1, 0], [0, 1, 1, 1]]
+    assert positions.tolist() == [[0, 1, 2, 2], [0, 0, 1, 2]]
+    assert targets.tolist() == [[4, 0], [5, 6]] and mask.tolist() == [[1, 0], [1, 1]]
+
+
+def test_hf_generate_greedy_is_deterministic_and_cut_at_eos(tiny):
+    model, tok = tiny
+    prompts = [tok("you are in the middle of a kitchen .").input_ids, tok("nothing happens .").input_ids]
+    a = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], max_new_tokens=6,
+                    temperature=0.0)
+    b = hf_generate(model, prompts[:1], pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], max_new_tokens=6,
+                    temperature=0.0)
+    assert a[0] == b[0] and 1 <= len(a[0]) <= 6
+    torch.manual_seed(0)
+    s1 = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], max_new_tokens=6,
+                     temperature=1.0)
+    torch.manual_seed(0)
+    s2 = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], max_new_tokens=6,
+                     temperature=1.0)
+    assert s1 == s2
+    # A token chosen as eos ends the response right after it.
+    eos = a[0][0]
+    cut = hf_generate(model, prompts[:1], pad_id=tok.pad_token_id, eos_ids=[eos], max_new_tokens=6, temperature=0.0)
+    assert cut == [[eos]]
+
+
+def test_env_batch_steps_only_running_games():
+    tasks = envs.list_tasks("household", "train", 2)
+    batch = EnvBatch([envs.make_game("household", t, max_steps=2) for t in tasks])
+    assert len(batch.reset()) == 2 and batch.active() == [0, 1]
+    batch.step({0: "look", 1: "look"})
+    results = batch.step({0: "look", 1: "fly"})
+    assert results[1][3]["valid"] is False and batch.active() == []
+    with pytest.raises(ValueError):
+        batch.step({0: "look"})
+
+
+@pytest.mark.parametrize("reply, action", [
+    ("<action>go to desk 1</action>", "go to desk 1"),
+    ("<think>the mug is here</think> <action> Take Mug 1 from Desk 1 </action>", "take mug 1 from desk 1"),
+    ('<action>"open drawer 2"</action>', "open drawer 2"),
+    ("<action>look</action> then <action>inventory</action>", "inventory"),
+    ("go to desk 1", None),
+    ("<action></action>", None),
+    ("<action>go to", None),
+])
+def test_parse_action(reply, action):
+    assert parse_action(reply) == action

@@ -1,0 +1,129 @@
+"""The built-in household: the expert solves every task, invalid commands change nothing, seeds
+reproduce tasks exactly, train and test are disjoint, and it is fast."""
+
+import copy
+import time
+from collections import defaultdict
+
+import pytest
+
+import envs
+from envs.household import TASK_TYPES, HouseholdEnv, generate_task, task_seeds, vocabulary
+
+
+def play_expert(seed: int, max_steps: int = 50) -> HouseholdEnv:
+    env = HouseholdEnv(generate_task(seed), max_steps=max_steps)
+    env.reset()
+    done = False
+    while not done:
+        action = env.expert_action()
+        assert action in env.admissible_actions()
+        _, reward, done, info = env.step(action)
+        assert info["valid"]
+    assert reward == 1.0 and info["won"]
+    return env
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_expert_solves_every_task_of_every_type(split):
+    seeds = task_seeds(split)
+    lengths = defaultdict(list)
+    for seed in seeds:
+        env = play_expert(seed)
+        lengths[env.task_type].append(env.steps)
+    assert set(lengths) == set(TASK_TYPES)
+    # Hard enough for credit assignment: the harder types take the expert 10-30 steps on average / at most.
+    for hard in ("pick_two_obj_and_place", "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep"):
+        assert sum(lengths[hard]) / len(lengths[hard]) >= 10
+        assert max(lengths[hard]) <= 30
+
+
+def test_train_and_test_tasks_are_disjoint():
+    train = {generate_task(s).fingerprint() for s in task_seeds("train")}
+    test = [generate_task(s).fingerprint() for s in task_seeds("test")]
+    assert not train.intersection(test)
+
+
+def test_seeds_reproduce_tasks_exactly():
+    for seed in (0, 7, 123, 1_000_003):
+        a, b = generate_task(seed), generate_task(seed)
+        assert a == b
+        env_a, env_b = HouseholdEnv(a), HouseholdEnv(b)
+        assert env_a.reset() == env_b.reset()
+        for _ in range(5):
+            action = env_a.expert_action()
+            assert env_a.step(action) == env_b.step(action)
+    assert generate_task(1).fingerprint() != generate_task(2).fingerprint()
+
+
+def test_invalid_actions_are_flagged_and_change_nothing():
+    env = HouseholdEnv(generate_task(3))
+    env.reset()
+    env.step(env.expert_action())
+    before = copy.deepcopy(env.__dict__)
+    for command in ["fly to the moon", "", "take apple 9 from nowhere 1", "go to " + env.location]:
+        obs, reward, done, info = env.step(command)
+        assert obs == "Nothing happens."
+        assert info == {"won": False, "valid": False} and reward == 0.0 and not done
+    after = env.__dict__
+    assert after["steps"] == before["steps"] + 4  # an invalid command still uses up a step
+    for key in before:
+        if key != "steps":
+            assert after[key] == before[key], key
+
+
+def test_step_limit_ends_the_episode_without_reward():
+    env = HouseholdEnv(generate_task(5), max_steps=3)
+    env.reset()
+    results = [env.step("look") for _ in range(3)]
+    assert [r[2] for r in results] == [False, False, True]
+    assert all(r[1] == 0.0 for r in results)
+    with pytest.raises(RuntimeError):
+        env.step("look")
+
+
+def test_observations_read_like_alfworld():
+    env = HouseholdEnv(generate_task(11))
+    first = env.reset()
+    assert first.startswith("You are in the middle of a ") and "Your task is to: " in first
+    assert env.task_description in first
+    assert "go to " + env.task.receptacles[0] in env.admissible_actions()
+    obs, *_ = env.step("go to " + env.task.receptacles[0])
+    assert obs.startswith("You arrive at " + env.task.receptacles[0] + ".")
+
+
+def test_vocabulary_covers_every_text():
+    import re
+
+    words = set(vocabulary())
+    for seed in range(200):
+        env = HouseholdEnv(generate_task(seed))
+        texts = [env.reset()]
+        done = False
+        while not done:
+            texts += env.admissible_actions()
+            obs, _, done, _ = env.step(env.expert_action())
+            texts.append(obs)
+        for text in texts:
+            assert set(re.findall(r"[a-z0-9]+", text.lower())) <= words
+
+
+def test_thousands_of_steps_per_second():
+    env = HouseholdEnv(generate_task(0), max_steps=10_000)
+    env.reset()
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.5:
+        _, _, done, _ = env.step(env.admissible_actions()[n % 3])
+        if done:
+            env.reset()
+        n += 1
+    assert n / (time.perf_counter() - start) > 2000
+
+
+def test_registry_errors_are_clear():
+    with pytest.raises(envs.UsageError, match="unknown environment 'nope'"):
+        envs.list_tasks("nope", "train")
+    with pytest.raises(envs.UsageError, match="unknown household split"):
+        envs.list_tasks("household", "valid")
+    game = envs.make_game("household", envs.list_tasks("household", "train", 1)[0], max_steps=7)
+    assert game.max_steps == 7 and game.task_type in envs.TASK_TYPES
