@@ -35,6 +35,7 @@ from typing import Literal
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 import envs
 from common import UsageError
@@ -54,7 +55,7 @@ class Args:
     exp_name: str = "proxmo"
     seed: int = 1
     """seeds python, numpy and torch (task sampling, LoRA init, sampling during rollouts)"""
-    env: str = "household"
+    env: Literal["household", "alfworld"] = "household"
     """household (built-in, no download) or alfworld (needs $ALFWORLD_DATA)"""
     model: str = "tiny"
     """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct) or tiny"""
@@ -84,17 +85,19 @@ class Args:
     use_std: bool = True
     """divide episode advantages by the group std (paper); --no-use-std reproduces the release"""
     tfidf_max_features: int = 1024
-    invalid_action_penalty: float = 0.0
-    """subtracted from a step's return when its action was not admissible"""
+    invalid_action_penalty: float | None = None
+    """subtracted from a step's return when its action was not admissible (spec: step_penalties)
+    [preset: tiny 0.1 | real 0.0]"""
 
     # RL
     iterations: int | None = None
     """[preset: tiny 20 | paper 150]"""
     tasks_per_iteration: int | None = None
-    """[preset: tiny 8 | paper 16]"""
+    """[preset: tiny 4 | paper 16]"""
     group_size: int = 8
     """N trajectories per task"""
-    max_episode_steps: int = 50
+    max_episode_steps: int | None = None
+    """[preset: tiny 30 (the household expert needs at most 27) | real 50]"""
     learning_rate: float | None = None
     """[preset: tiny 5e-4 | real model 1e-5 (paper's 1e-6 is for full fine-tuning)]"""
     clip_eps: float = 0.2
@@ -130,6 +133,9 @@ class Args:
     """train every weight during BC instead of a LoRA adapter [preset: tiny True (its random
     embeddings and norms are out of LoRA's reach) | real False]"""
     bc_num_tasks: int = 400
+    bc_noise: float = 0.2
+    """share of demonstration steps where a random admissible action is executed instead of the
+    expert's (the label stays the expert's), so BC also sees how to recover from mistakes"""
     bc_learning_rate: float | None = None
     """[preset: tiny 2e-3 | real 1e-4]"""
     bc_batch_size: int = 32
@@ -147,7 +153,8 @@ class Args:
 
 def resolve_presets(args: Args) -> Args:
     tiny = args.model == "tiny"
-    presets = dict(iterations=(20, 150), tasks_per_iteration=(8, 16), learning_rate=(5e-4, 1e-5),
+    presets = dict(iterations=(20, 150), tasks_per_iteration=(4, 16), learning_rate=(5e-4, 1e-5),
+                   max_episode_steps=(30, 50), invalid_action_penalty=(0.1, 0.0),
                    micro_batch_size=(64, 8), max_new_tokens=(12, 512), reasoning=(False, True),
                    bc_epochs=(3, 0), bc_full_params=(True, False), bc_learning_rate=(2e-3, 1e-4),
                    eval_num_tasks=(192, 0))
@@ -451,18 +458,23 @@ class Policy:
 
 
 def rollout(args: Args, policy: Policy | None, tasks: list, group_ids: list, temperature: float,
-            expert: bool = False) -> list[dict]:
-    """Play one game per task in lock-step until all finish. With expert=True the env's expert acts
-    (behavior-cloning data) and the policy is not called.
+            expert_rng: random.Random | None = None) -> list[dict]:
+    """Play one game per task in lock-step until all finish.
 
-    Each trajectory: {"task_type", "group", "won", "rewards": [r_t], "steps": [{"prompt_ids",
-    "response_ids", "state" (raw observation = anchor text), "action", "valid"}]}."""
+    With expert_rng given, the env's expert acts instead of the policy (behavior-cloning data):
+    each step records the expert's action as "label", but with probability args.bc_noise a random
+    admissible action is executed, and the prompt is kept as text.
+
+    Each trajectory: {"task_type", "group", "won", "rewards": [r_t], "steps": [{"prompt" (token ids,
+    or text for expert rollouts), "response_ids", "state" (raw observation = anchor text), "action"
+    (executed), "valid", "label"}]}."""
     games = [envs.make_game(args.env, t, args.max_episode_steps) for t in tasks]
     batch = EnvBatch(games)
     batch.reset()
     trajs = [{"task_type": g.task_type, "group": gid, "won": False, "rewards": [], "steps": [], "history": []}
              for g, gid in zip(games, group_ids)]
-    tokenizer = policy.tokenizer if policy is not None else None
+    expert = expert_rng is not None
+    tokenizer = None if expert else policy.tokenizer
     while batch.active():
         active = batch.active()
         prompts = []
@@ -473,20 +485,23 @@ def rollout(args: Args, policy: Policy | None, tasks: list, group_ids: list, tem
             prompts.append(encode_prompt(tokenizer, text, args.max_prompt_tokens) if tokenizer else text)
         if expert:
             responses = [None] * len(active)
-            commands = [games[i].expert_action() for i in active]
+            labels = [games[i].expert_action() for i in active]
+            commands = [expert_rng.choice(games[i].admissible_actions()) if expert_rng.random() < args.bc_noise
+                        else label for i, label in zip(active, labels)]
         else:
             responses = policy.generate(prompts, temperature)
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
             parsed = [parse_action(t) for t in texts]
             # No <action> tag: the env gets the reply's tail, which is never admissible.
             commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
+            labels = [None] * len(active)
         states = {i: batch.observations[i] for i in active}
         results = batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
             obs, reward, done, info = results[i]
             tr = trajs[i]
-            tr["steps"].append({"prompt_ids": prompts[k], "response_ids": responses[k], "state": states[i],
-                                "action": commands[k], "valid": bool(info["valid"])})
+            tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k], "state": states[i],
+                                "action": commands[k], "valid": bool(info["valid"]), "label": labels[k]})
             tr["rewards"].append(reward)
             tr["history"].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
@@ -506,12 +521,12 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     parameters of `model` that require grad (a LoRA adapter, or all of them) in place."""
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
-    demos = rollout(args, None, tasks, list(range(len(tasks))), 0.0, expert=True)
+    demos = rollout(args, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
     samples = []
     for tr in demos:
         for s in tr["steps"]:
-            prompt = encode_prompt(tokenizer, s["prompt_ids"], args.max_prompt_tokens)
-            response = tokenizer(expert_response(s["action"], args.reasoning), add_special_tokens=False).input_ids
+            prompt = encode_prompt(tokenizer, s["prompt"], args.max_prompt_tokens)
+            response = tokenizer(expert_response(s["label"], args.reasoning), add_special_tokens=False).input_ids
             samples.append((prompt, response + [tokenizer.eos_token_id]))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
@@ -538,7 +553,8 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
     progress.close()
-    return {"bc/loss": loss_value, "bc/steps": len(samples), "bc/expert_success": np.mean([t["won"] for t in demos])}
+    return {"bc/loss": loss_value, "bc/steps": len(samples),
+            "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
 # ---- 8. Evaluation -----------------------------------------------------------------------------------------
@@ -559,8 +575,6 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
 
 # ---- 9. Training loop ---------------------------------------------------------------------------------------
 def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
     # Also shown when stdout is a log file, at most every few seconds.
     return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, mininterval=3.0)
 
@@ -585,7 +599,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
         return out
 
     model.eval()  # no dropout when scoring the rollout policy
-    old_logp, ref_logp = logprobs_no_grad(False), logprobs_no_grad(True)
+    old_logp = logprobs_no_grad(False)
+    ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp  # unused when kl_coef == 0
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
@@ -706,8 +721,9 @@ def main(args: Args) -> dict:
             log(stats, iteration)
             history.setdefault(iteration, {}).update(stats)
             per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}" for k, v in stats.items() if "/success_" in k)
-            print(f"[eval {split} @ iter {iteration}] success {stats[f'eval_{split}/success']:.3f} "
-                  f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) [{time.time() - t0:.0f}s]")
+            tqdm.write(f"[eval {split} @ iter {iteration}] success {stats[f'eval_{split}/success']:.3f} "
+                       f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) [{time.time() - t0:.0f}s]",
+                       file=sys.stdout)
 
     if start_iteration == 0:
         run_eval(0)
@@ -723,7 +739,7 @@ def main(args: Args) -> dict:
         rollout_seconds = time.time() - t0
         # (4) advantages, one scalar per step.
         advantages = compute_advantages(args, trajs)
-        samples = [(s["prompt_ids"], s["response_ids"], float(a))
+        samples = [(s["prompt"], s["response_ids"], float(a))
                    for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
         # (5, 6) old / reference log-probs and the clipped policy-gradient update.
         stats = policy_update(args, model, tokenizer, optimizer, samples, generator)
