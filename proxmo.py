@@ -134,10 +134,10 @@ class Args:
     embeddings and norms are out of LoRA's reach) | real False]"""
     bc_num_tasks: int = 400
     bc_noise: float = 0.2
-    """share of demonstration steps where a random admissible action is executed instead of the
-    expert's (the label stays the expert's), so BC also sees how to recover from mistakes"""
+    """share of demonstration steps where a mistake is executed instead of the expert's action
+    (the label stays the expert's), so BC also sees how to recover from mistakes"""
     bc_learning_rate: float | None = None
-    """[preset: tiny 2e-3 | real 1e-4]"""
+    """[preset: tiny 3e-3 | real 1e-4]"""
     bc_batch_size: int = 32
 
     # Evaluation (greedy unless --eval-temperature > 0; the paper samples at 0.4)
@@ -156,7 +156,7 @@ def resolve_presets(args: Args) -> Args:
     presets = dict(iterations=(20, 150), tasks_per_iteration=(4, 16), learning_rate=(5e-4, 1e-5),
                    max_episode_steps=(30, 50), invalid_action_penalty=(0.1, 0.0),
                    micro_batch_size=(64, 8), max_new_tokens=(12, 512), reasoning=(False, True),
-                   bc_epochs=(3, 0), bc_full_params=(True, False), bc_learning_rate=(2e-3, 1e-4),
+                   bc_epochs=(3, 0), bc_full_params=(True, False), bc_learning_rate=(3e-3, 1e-4),
                    eval_num_tasks=(192, 0))
     for name, (tiny_value, real_value) in presets.items():
         if getattr(args, name) is None:
@@ -486,8 +486,8 @@ def rollout(args: Args, policy: Policy | None, tasks: list, group_ids: list, tem
         if expert:
             responses = [None] * len(active)
             labels = [games[i].expert_action() for i in active]
-            commands = [expert_rng.choice(games[i].admissible_actions()) if expert_rng.random() < args.bc_noise
-                        else label for i, label in zip(active, labels)]
+            commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise, expert_rng)
+                        for i, label in zip(active, labels)]
         else:
             responses = policy.generate(prompts, temperature)
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -510,6 +510,17 @@ def rollout(args: Args, policy: Policy | None, tasks: list, group_ids: list, tem
     return trajs
 
 
+def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
+    """The command a noisy expert executes: its own with probability 1 - noise; else, half the time,
+    the previous command again (the typical mistake, usually answered "Nothing happens."), and
+    otherwise a random admissible one."""
+    if rng.random() >= noise:
+        return label
+    if history and rng.random() < 0.5:
+        return history[-1][1]
+    return rng.choice(game.admissible_actions())
+
+
 # ---- 7. Behavior cloning on expert trajectories -----------------------------------------------------------
 def expert_response(action: str, reasoning: bool) -> str:
     return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
@@ -530,17 +541,26 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             samples.append((prompt, response + [tokenizer.eos_token_id]))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
-    total_steps = args.bc_epochs * math.ceil(len(samples) / args.bc_batch_size)
+    window = 16 * args.bc_batch_size
+    total_steps = args.bc_epochs * sum(math.ceil(min(window, len(samples) - w) / args.bc_batch_size)
+                                       for w in range(0, len(samples), window))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(total_steps, 1))
     print(f"behavior cloning: {len(demos)} expert trajectories, {len(samples)} steps, "
           f"{args.bc_epochs} epochs, {total_steps} updates")
     model.train()
     progress = _progress(total_steps, "bc")
     loss_value = float("nan")
+    lengths = [len(p) + len(r) for p, r in samples]
     for _ in range(args.bc_epochs):
-        rng.shuffle(samples)
-        for start in range(0, len(samples), args.bc_batch_size):
-            chunk = samples[start:start + args.bc_batch_size]
+        # Batches of similar length (less padding), visited in random order; members drawn from a
+        # random window of 16 batches so that each batch still mixes tasks.
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        batches = [b for w in range(0, len(order), window)
+                   for b in length_sorted_chunks(order[w:w + window], lengths, args.bc_batch_size)]
+        rng.shuffle(batches)
+        for batch in batches:
+            chunk = [samples[i] for i in batch]
             logp, mask, _ = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk],
                                               tokenizer.pad_token_id)
             loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
@@ -579,23 +599,32 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, mininterval=3.0)
 
 
+def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
+    """Split `indices` into chunks of `size` after sorting them by length, so that padding to the
+    longest member of a chunk wastes little compute."""
+    ordered = sorted(indices, key=lambda i: lengths[i])
+    return [ordered[k:k + size] for k in range(0, len(ordered), size)]
+
+
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple], generator: torch.Generator) -> dict:
     """PPO over the step samples (prompt_ids, response_ids, advantage): old and reference log-probs
     first, then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
     device = next(model.parameters()).device
+    lengths = [len(p) + len(r) for p, r, _ in samples]
 
     def logprobs_no_grad(reference: bool) -> list[Tensor]:
-        out = []
+        out: list[Tensor] = [torch.empty(0)] * len(samples)
         with torch.no_grad():
-            for s in range(0, len(samples), mb):
-                chunk = samples[s:s + mb]
+            for idx in length_sorted_chunks(list(range(len(samples))), lengths, mb):
+                prompts, responses = [samples[i][0] for i in idx], [samples[i][1] for i in idx]
                 if reference:
                     with model.disable_adapter():
-                        lp, _, _ = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk], pad)
+                        lp, _, _ = response_logprobs(model, prompts, responses, pad)
                 else:
-                    lp, _, _ = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk], pad)
-                out += [row[:len(c[1])] for row, c in zip(lp, chunk)]
+                    lp, _, _ = response_logprobs(model, prompts, responses, pad)
+                for row, i in zip(lp, idx):
+                    out[i] = row[:len(samples[i][1])]
         return out
 
     model.eval()  # no dropout when scoring the rollout policy
@@ -610,8 +639,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
             mini = order[start:start + args.minibatch_size]
             n_tokens = sum(len(samples[i][1]) for i in mini)
             optimizer.zero_grad(set_to_none=True)
-            for s in range(0, len(mini), mb):
-                idx = mini[s:s + mb]
+            # The gradient of a mini-batch is a sum over its samples: micro-batches may go in any order.
+            for idx in length_sorted_chunks(mini, lengths, mb):
                 logp, mask, entropy = response_logprobs(model, [samples[i][0] for i in idx],
                                                         [samples[i][1] for i in idx], pad,
                                                         with_entropy=args.entropy_coef > 0)
@@ -755,7 +784,8 @@ def main(args: Args) -> dict:
         log(stats, iteration)
         progress.update(1)
         progress.set_postfix(success=f"{stats['rollout/success']:.2f}", ground=f"{stats['rollout/grounding']:.2f}",
-                             kl=f"{stats['train/kl_ref']:.4f}", s_it=f"{stats['time/iteration_seconds']:.1f}", refresh=False)
+                             kl=f"{stats['train/kl_ref']:.4f}", rollout_s=f"{rollout_seconds:.0f}",
+                             iter_s=f"{stats['time/iteration_seconds']:.0f}", refresh=False)
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)
         if iteration % args.save_every == 0 or iteration == args.iterations:

@@ -14,6 +14,7 @@ import json
 import os
 
 from common import UsageError
+from envs.base import begin_step
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
 # Game folders start with the task type, e.g. pick_cool_then_place_in_recep-Apple-None-Fridge-1.
@@ -94,11 +95,7 @@ class AlfworldEnv:
         return self._state["extra.expert_plan"][0]
 
     def step(self, command: str) -> tuple[str, float, bool, dict]:
-        if self.won or self.steps >= self.max_steps:
-            raise RuntimeError("step() called on a finished game; call reset() first")
-        self.steps += 1
-        command = " ".join(command.strip().lower().split())
-        valid = command in self.admissible_actions()
+        command, valid = begin_step(self, command)
         # A non-admissible command still goes to the engine, which answers "Nothing happens.".
         self._state, _, _ = self._env.step(command)
         self.won = bool(self._state["won"])

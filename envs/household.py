@@ -22,6 +22,8 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from envs.base import begin_step
+
 TASK_TYPES = (
     "pick_and_place_simple",
     "look_at_obj_in_light",
@@ -56,8 +58,8 @@ ROOM_LAYOUTS = {
     ],
 }
 
-# Objects of each room and the receptacle types where they usually are, most likely first.
-# The expert searches in this order; the generator places objects only in these types.
+# Objects of each room and the receptacle types where they usually are. The generator places
+# objects only in these types; the expert searches them first.
 OBJECT_PLACES = {
     "kitchen": {
         "apple": ["countertop", "diningtable", "fridge", "garbagecan"],
@@ -344,11 +346,7 @@ class HouseholdEnv:
 
     def step(self, command: str) -> tuple[str, float, bool, dict]:
         """Apply one command. info: won (bool), valid (the command was admissible)."""
-        if self.won or self.steps >= self.max_steps:
-            raise RuntimeError("step() called on a finished game; call reset() first")
-        self.steps += 1
-        command = " ".join(command.strip().lower().split())
-        valid = command in self.admissible_actions()
+        command, valid = begin_step(self, command)
         obs = self._apply(command) if valid else "Nothing happens."
         if valid and not self.won and self._goal_met():
             self.won = True
@@ -399,8 +397,9 @@ class HouseholdEnv:
     def expert_action(self) -> str:
         """The next command of a searching expert that uses only what the agent has seen.
 
-        It takes the target object from the nearest known place, else opens / visits the next
-        unseen receptacle where such objects usually lie (OBJECT_PLACES order, then any other),
+        It takes the target object from the first place it was seen, else opens / visits the next
+        unseen receptacle, in the room's listing order, of a kind where such objects usually lie
+        (OBJECT_PLACES), then any other,
         processes it (sink / microwave / fridge / lamp) and puts it in the first receptacle of the
         goal type (for pick-two, the one that already holds the first).
         """
@@ -449,7 +448,8 @@ class HouseholdEnv:
     def _explore(self, lamp: bool = False) -> str:
         t, here = self.task, self.location
         kinds = LAMP_PLACES[t.room] if lamp else OBJECT_PLACES[t.room][t.target_object]
-        order = [r for k in kinds for r in t.receptacles if _kind(r) == k]
+        # Plausible receptacles first, each group in the order the room lists them.
+        order = [r for r in t.receptacles if _kind(r) in kinds]
         order += [r for r in t.receptacles if r not in order]
         for r in order:
             if r in self.seen or (not lamp and self._already_placed(r)):
