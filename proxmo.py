@@ -41,7 +41,8 @@ import envs
 from common import UsageError
 from common.envbatch import EnvBatch
 from common.generation import hf_generate, make_vllm_engine, vllm_generate
-from common.model import add_lora, load_lora, load_model_and_tokenizer, merge_lora, response_logprobs
+from common.model import (add_lora, load_lora, load_model_and_tokenizer, merge_lora, resolve_model_name,
+                          response_logprobs)
 
 
 # ---- 1. Arguments --------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ class Args:
 
     # RL
     iterations: int | None = None
-    """[preset: tiny 20 | paper 150]"""
+    """[preset: tiny 12 | paper 150]"""
     tasks_per_iteration: int | None = None
     """[preset: tiny 4 | paper 16]"""
     group_size: int = 8
@@ -143,7 +144,7 @@ class Args:
     # Evaluation (greedy unless --eval-temperature > 0; the paper samples at 0.4)
     eval_every: int = 5
     eval_num_tasks: int | None = None
-    """test tasks per split [preset: tiny 192 | real: whole split]"""
+    """test tasks per split [preset: tiny 96 | real: whole split]"""
     eval_temperature: float = 0.0
     save_every: int = 10
 
@@ -153,11 +154,11 @@ class Args:
 
 def resolve_presets(args: Args) -> Args:
     tiny = args.model == "tiny"
-    presets = dict(iterations=(20, 150), tasks_per_iteration=(4, 16), learning_rate=(5e-4, 1e-5),
+    presets = dict(iterations=(12, 150), tasks_per_iteration=(4, 16), learning_rate=(5e-4, 1e-5),
                    max_episode_steps=(30, 50), invalid_action_penalty=(0.1, 0.0),
                    micro_batch_size=(64, 8), max_new_tokens=(12, 512), reasoning=(False, True),
                    bc_epochs=(3, 0), bc_full_params=(True, False), bc_learning_rate=(3e-3, 1e-4),
-                   eval_num_tasks=(192, 0))
+                   eval_num_tasks=(96, 0))
     for name, (tiny_value, real_value) in presets.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny_value if tiny else real_value)
@@ -195,11 +196,21 @@ def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible
     return "\n".join(lines)
 
 
+_warned_truncation = False
+
+
 def encode_prompt(tokenizer, text: str, max_tokens: int) -> list[int]:
+    """Chat-formatted prompt ids. An over-long prompt keeps its last `max_tokens` tokens (the
+    current observation and admissible actions) and loses its start, with a warning."""
+    global _warned_truncation
     chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          tokenize=False)
     ids = tokenizer(chat, add_special_tokens=False).input_ids
-    return ids[-max_tokens:]  # an over-long prompt loses its oldest history first
+    if len(ids) > max_tokens and not _warned_truncation:
+        _warned_truncation = True
+        print(f"warning: a prompt of {len(ids)} tokens was cut to --max-prompt-tokens {max_tokens}; "
+              "raise it or lower --history-length", file=sys.stderr)
+    return ids[-max_tokens:]
 
 
 ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
@@ -724,7 +735,7 @@ def main(args: Args) -> dict:
 
     engine = None
     if args.backend == "vllm":
-        base_path = bc_path if os.path.isdir(bc_path) else args.model
+        base_path = bc_path if os.path.isdir(bc_path) else resolve_model_name(args.model)[0]
         engine = make_vllm_engine(base_path, max_lora_rank=args.lora_r, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens, seed=args.seed)
     policy = Policy(args, model, tokenizer, engine)
@@ -801,8 +812,9 @@ def main(args: Args) -> dict:
     key = f"eval_{first_split}/success"
     summary = {"start_success": history.get(0, {}).get(key), "final_success": history[max(history)][key],
                "best_success": max(h[key] for h in history.values() if key in h), "run_path": run_path}
-    print(f"done: {first_split} success {summary['start_success']} (start) -> {summary['final_success']:.3f} "
-          f"(final), best {summary['best_success']:.3f}; logs and checkpoint in {run_path}")
+    start = "n/a (resumed)" if summary["start_success"] is None else f"{summary['start_success']:.3f}"
+    print(f"done: {first_split} success {start} (start) -> {summary['final_success']:.3f} (final), "
+          f"best {summary['best_success']:.3f}; logs and checkpoint in {run_path}")
     return summary
 
 

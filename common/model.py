@@ -30,9 +30,11 @@ TINY_CHAT_TEMPLATE = (
 
 
 def build_tiny_tokenizer(words: list[str]):
-    """Word-level tokenizer: one id per word, digit and punctuation mark in `words` (plus 0-99
-    and ASCII punctuation), special tokens and the reasoning/action tags."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    """Word-level tokenizer: one id per entry of `words` (plus 0-99, single letters and ASCII
+    punctuation), special tokens and the reasoning/action tags. An entry with a space, such as
+    "cabinet 3", is a phrase that becomes a single token wherever it occurs as whole words, so an
+    entity is copied from the prompt in one step."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab_words = set(words) | {str(i) for i in range(100)} | set(string.ascii_lowercase) | set(string.punctuation)
@@ -40,10 +42,12 @@ def build_tiny_tokenizer(words: list[str]):
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_TAG_TOKENS)}
     for w in sorted(vocab_words - set(vocab)):
         vocab[w] = len(vocab)
+    phrases = sorted((w for w in vocab_words if " " in w), key=len, reverse=True)
+    pieces = (r"(?:" + "|".join(re.escape(p) for p in phrases) + r")\b|" if phrases else "") + r"\w+|[^\w\s]"
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                 pre_tokenizers.Punctuation("isolated")])
+    # Keep the matches (phrases, words, single punctuation marks) and drop the white space between them.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pieces), behavior="removed", invert=True)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<|endoftext|>",
                                         eos_token="<|im_end|>",
                                         additional_special_tokens=["<|im_start|>"])
