@@ -473,8 +473,8 @@ def rollout(args: Args, policy: Policy | None, tasks: list, group_ids: list, tem
     """Play one game per task in lock-step until all finish.
 
     With expert_rng given, the env's expert acts instead of the policy (behavior-cloning data):
-    each step records the expert's action as "label", but with probability args.bc_noise a random
-    admissible action is executed, and the prompt is kept as text.
+    each step records the expert's action as "label", but with probability args.bc_noise a mistake
+    is executed instead (see _perturb), and the prompt is kept as text.
 
     Each trajectory: {"task_type", "group", "won", "rewards": [r_t], "steps": [{"prompt" (token ids,
     or text for expert rollouts), "response_ids", "state" (raw observation = anchor text), "action"
@@ -640,7 +640,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
 
     model.eval()  # no dropout when scoring the rollout policy
     old_logp = logprobs_no_grad(False)
-    ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp  # unused when kl_coef == 0
+    # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
+    ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
@@ -665,7 +666,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
                 with torch.no_grad():
                     ratio = torch.exp(logp - old)
                     stats["clip_fraction"].append((((ratio - 1).abs() > args.clip_eps).float() * mask).sum().item() / mask.sum().item())
-                    stats["kl_ref"].append((((torch.exp(ref - logp) - (ref - logp) - 1) * mask).sum() / mask.sum()).item())
+                    if args.kl_coef > 0:  # else `ref` is the rollout policy, not the reference
+                        stats["kl_ref"].append((((torch.exp(ref - logp) - (ref - logp) - 1) * mask).sum() / mask.sum()).item())
                     stats["loss"].append(loss.item())
             stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)))
             optimizer.step()
@@ -795,7 +797,7 @@ def main(args: Args) -> dict:
         log(stats, iteration)
         progress.update(1)
         progress.set_postfix(success=f"{stats['rollout/success']:.2f}", ground=f"{stats['rollout/grounding']:.2f}",
-                             kl=f"{stats['train/kl_ref']:.4f}", rollout_s=f"{rollout_seconds:.0f}",
+                             kl=f"{stats.get('train/kl_ref', float('nan')):.4f}", rollout_s=f"{rollout_seconds:.0f}",
                              iter_s=f"{stats['time/iteration_seconds']:.0f}", refresh=False)
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)

@@ -348,7 +348,7 @@ class HouseholdEnv:
         """Apply one command. info: won (bool), valid (the command was admissible)."""
         command, valid = begin_step(self, command)
         obs = self._apply(command) if valid else "Nothing happens."
-        if valid and not self.won and self._goal_met():
+        if valid and self._goal_met():  # begin_step refuses a game already won
             self.won = True
         done = self.won or self.steps >= self.max_steps
         return obs, float(self.won), done, {"won": self.won, "valid": valid}
@@ -495,8 +495,7 @@ def vocabulary() -> list[str]:
         words |= {k for k, _, _ in ROOM_LAYOUTS[room]}
         words |= set(OBJECT_PLACES[room])
     for tt in TASK_TYPES:
-        words |= set(re.findall(r"[a-z]+", _goal_sentence(tt, "x", "y", random.Random(0))))
-        for seed in range(4):
+        for seed in range(4):  # enough draws to see both phrasings of each goal
             words |= set(re.findall(r"[a-z]+", _goal_sentence(tt, "x", "y", random.Random(seed))))
     words |= {str(i) for i in range(1, 10)}
     words.discard("x"), words.discard("y")
