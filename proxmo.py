@@ -41,8 +41,8 @@ import envs
 from common import UsageError
 from common.envbatch import EnvBatch
 from common.generation import hf_generate, make_vllm_engine, vllm_generate
-from common.model import (add_lora, load_lora, load_model_and_tokenizer, merge_lora, resolve_model_name,
-                          response_logprobs)
+from common.model import (add_lora, load_lora, load_model_and_tokenizer, merge_lora, pad_prompt_response,
+                          resolve_model_name, response_logprobs)
 
 
 # ---- 1. Arguments --------------------------------------------------------------------------------
@@ -115,8 +115,8 @@ class Args:
     max_new_tokens: int | None = None
     """[preset: tiny 12 | real 512]"""
     max_prompt_tokens: int = 2048
-    history_length: int = 2
-    """past (observation, action) pairs shown in the prompt"""
+    history_length: int | None = None
+    """past (observation, action) pairs shown in the prompt [preset: tiny 1 | real 2 (paper)]"""
     reasoning: bool | None = None
     """ask for <think> reasoning before the action [preset: tiny False | real True]"""
 
@@ -137,15 +137,22 @@ class Args:
     bc_noise: float = 0.2
     """share of demonstration steps where a mistake is executed instead of the expert's action
     (the label stays the expert's), so BC also sees how to recover from mistakes"""
+    bc_prompt_loss_weight: float | None = None
+    """weight of the prompt tokens' next-token loss in BC (see bc_loss) [preset: tiny 1.0 | real 0]"""
     bc_learning_rate: float | None = None
     """[preset: tiny 3e-3 | real 1e-4]"""
-    bc_batch_size: int = 32
+    bc_batch_size: int | None = None
+    """[preset: tiny 8 (small batches: as many updates per CPU second, and copying actions from
+    the prompt is learned in updates, not samples) | real 16]"""
 
-    # Evaluation (greedy unless --eval-temperature > 0; the paper samples at 0.4)
+    # Evaluation
     eval_every: int = 5
     eval_num_tasks: int | None = None
     """test tasks per split [preset: tiny 96 | real: whole split]"""
-    eval_temperature: float = 0.0
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation (the paper's 0.4; 0 is greedy). Every evaluation draws
+    from its own generator seeded with --seed, so evaluations compare like with like and do not
+    shift the training run's random stream"""
     save_every: int = 10
 
     # vLLM
@@ -157,8 +164,9 @@ def resolve_presets(args: Args) -> Args:
     presets = dict(iterations=(12, 150), tasks_per_iteration=(4, 16), learning_rate=(5e-4, 1e-5),
                    max_episode_steps=(30, 50), invalid_action_penalty=(0.1, 0.0),
                    micro_batch_size=(64, 8), max_new_tokens=(12, 512), reasoning=(False, True),
-                   bc_epochs=(3, 0), bc_full_params=(True, False), bc_learning_rate=(3e-3, 1e-4),
-                   eval_num_tasks=(96, 0))
+                   bc_epochs=(3, 0), bc_full_params=(True, False), bc_learning_rate=(2e-3, 1e-4),
+                   bc_batch_size=(8, 16), eval_num_tasks=(96, 0), history_length=(1, 2),
+                   bc_prompt_loss_weight=(1.0, 0.0))
     for name, (tiny_value, real_value) in presets.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny_value if tiny else real_value)
@@ -538,9 +546,38 @@ def expert_response(action: str, reasoning: bool) -> str:
             else f"<action>{action}</action>")
 
 
+def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+            prompt_weight: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(loss, response_loss): mean cross-entropy of the response tokens, plus prompt_weight times
+    the mean next-token cross-entropy of the prompt tokens ("train on inputs").
+
+    Why the prompt term: the prompts are full of repeats (the admissible actions name what the
+    observations saw), so predicting them teaches a randomly initialised model to copy from its
+    context, which the actions need, in far fewer updates. A pretrained model needs no such help
+    (prompt_weight 0: only the response logits are computed)."""
+    if prompt_weight == 0:
+        logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
+        response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+        return response_loss, response_loss
+    device = next(model.parameters()).device
+    input_ids, attention, position_ids, _, response_mask = (
+        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+    valid = (attention[:, 1:] * attention[:, :-1]).float()  # (B, L-1): target and its context are real
+    first_response_column = input_ids.shape[1] - response_mask.shape[1]
+    in_response = torch.zeros_like(valid)
+    in_response[:, first_response_column - 1:] = 1.0  # nll[:, j] scores token j + 1
+    response_loss = (nll * valid * in_response).sum() / (valid * in_response).sum()
+    prompt_loss = (nll * valid * (1 - in_response)).sum() / (valid * (1 - in_response)).sum().clamp(min=1)
+    return response_loss + prompt_weight * prompt_loss, response_loss
+
+
 def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
-    """SFT on the env expert's trajectories: cross-entropy on the response tokens only. Trains the
-    parameters of `model` that require grad (a LoRA adapter, or all of them) in place."""
+    """SFT on the env expert's trajectories: cross-entropy on the response tokens (plus, with
+    --bc-prompt-loss-weight, on the prompt tokens; see bc_loss). Trains the parameters of `model`
+    that require grad (a LoRA adapter, or all of them) in place."""
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
     demos = rollout(args, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
@@ -572,15 +609,14 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
         rng.shuffle(batches)
         for batch in batches:
             chunk = [samples[i] for i in batch]
-            logp, mask, _ = response_logprobs(model, [c[0] for c in chunk], [c[1] for c in chunk],
-                                              tokenizer.pad_token_id)
-            loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+            loss, response_loss = bc_loss(model, [c[0] for c in chunk], [c[1] for c in chunk],
+                                          tokenizer.pad_token_id, args.bc_prompt_loss_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            loss_value = loss.item()
+            loss_value = response_loss.item()
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
     progress.close()
@@ -591,7 +627,9 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
 # ---- 8. Evaluation -----------------------------------------------------------------------------------------
 def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy (share of admissible actions)."""
-    trajs = rollout(args, policy, tasks, list(range(len(tasks))), args.eval_temperature)
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        trajs = rollout(args, policy, tasks, list(range(len(tasks))), args.eval_temperature)
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:
         by_type[t["task_type"]].append(t["won"])

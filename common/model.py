@@ -30,10 +30,11 @@ TINY_CHAT_TEMPLATE = (
 
 
 def build_tiny_tokenizer(words: list[str]):
-    """Word-level tokenizer: one id per entry of `words` (plus 0-99, single letters and ASCII
-    punctuation), special tokens and the reasoning/action tags. An entry with a space, such as
-    "cabinet 3", is a phrase that becomes a single token wherever it occurs as whole words, so an
-    entity is copied from the prompt in one step."""
+    """Word-level tokenizer: one id per word of `words` (plus 0-99, single letters and ASCII
+    punctuation), special tokens and the reasoning/action tags. "cabinet 3" is two tokens, the same
+    "cabinet" as in the goal sentence, so copying an entity from the prompt is compositional
+    (measured: whole-entity tokens such as "cabinet 3" made behavior cloning generalise far worse,
+    2% vs 21% test success after the same 130 s)."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,12 +43,10 @@ def build_tiny_tokenizer(words: list[str]):
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_TAG_TOKENS)}
     for w in sorted(vocab_words - set(vocab)):
         vocab[w] = len(vocab)
-    phrases = sorted((w for w in vocab_words if " " in w), key=len, reverse=True)
-    pieces = (r"(?:" + "|".join(re.escape(p) for p in phrases) + r")\b|" if phrases else "") + r"\w+|[^\w\s]"
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.Lowercase()
-    # Keep the matches (phrases, words, single punctuation marks) and drop the white space between them.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pieces), behavior="removed", invert=True)
+    # Keep runs of word characters and single punctuation marks; drop the white space between them.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]"), behavior="removed", invert=True)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<|endoftext|>",
                                         eos_token="<|im_end|>",
                                         additional_special_tokens=["<|im_start|>"])

@@ -484,8 +484,7 @@ def task_seeds(split: str, num_tasks: int | None = None) -> list[int]:
 
 
 def vocabulary() -> list[str]:
-    """Every word the household can print or accept, and its numbered entities ("cabinet 3"), for
-    building a word-level tokenizer."""
+    """Every word the household can print or accept, for building a word-level tokenizer."""
     words = set("you are in the middle of a looking quickly around see your task is to arrive at on "
                 "it closed open close take from move use turn heat cool clean using with pick up "
                 "nothing happens carrying not anything inventory look examine go facing next and "
@@ -499,8 +498,4 @@ def vocabulary() -> list[str]:
             words |= set(re.findall(r"[a-z]+", _goal_sentence(tt, "x", "y", random.Random(seed))))
     words |= {str(i) for i in range(1, 10)}
     words.discard("x"), words.discard("y")
-    # Numbered entities ("cabinet 3", "apple 1"): a word-level tokenizer may keep each as one token.
-    kinds = {k for layout in ROOM_LAYOUTS.values() for k, _, _ in layout}
-    kinds |= {o for objects in OBJECT_PLACES.values() for o in objects} | {"desklamp"}
-    words |= {f"{k} {i}" for k in kinds for i in range(1, 10)}
     return sorted(words)

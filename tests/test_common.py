@@ -39,6 +39,9 @@ def test_tiny_tokenizer_round_trip_and_chat_template(tiny):
     ids = tok(text, add_special_tokens=False).input_ids
     assert tok.unk_token_id not in ids
     assert tok.decode(ids) == text
+    # Word level: the "countertop" of an entity is the same token as in a goal sentence.
+    ids_of = lambda t: tok(t, add_special_tokens=False).input_ids
+    assert ids_of("countertop 2") == ids_of("countertop") + ids_of("2")
     chat = tok.apply_chat_template([{"role": "user", "content": "Your task is to: put a mug in desk."}],
                                    add_generation_prompt=True, tokenize=False)
     assert chat.startswith("<|im_start|>user\n") and chat.endswith("<|im_start|>assistant\n")
