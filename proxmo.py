@@ -140,7 +140,7 @@ class Args:
     bc_prompt_loss_weight: float | None = None
     """weight of the prompt tokens' next-token loss in BC (see bc_loss) [preset: tiny 1.0 | real 0]"""
     bc_learning_rate: float | None = None
-    """[preset: tiny 3e-3 | real 1e-4]"""
+    """[preset: tiny 2e-3 | real 1e-4]"""
     bc_batch_size: int | None = None
     """[preset: tiny 8 (small batches: as many updates per CPU second, and copying actions from
     the prompt is learned in updates, not samples) | real 16]"""
@@ -150,9 +150,9 @@ class Args:
     eval_num_tasks: int | None = None
     """test tasks per split [preset: tiny 96 | real: whole split]"""
     eval_temperature: float = 0.4
-    """sampling temperature of evaluation (the paper's 0.4; 0 is greedy). Every evaluation draws
-    from its own generator seeded with --seed, so evaluations compare like with like and do not
-    shift the training run's random stream"""
+    """sampling temperature of evaluation (the paper's 0.4; 0 is greedy). With --backend hf every
+    evaluation draws from its own generator seeded with --seed, so evaluations compare like with
+    like and do not shift the training run's random stream"""
     save_every: int = 10
 
     # vLLM
