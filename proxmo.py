@@ -566,11 +566,10 @@ def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id:
                    use_cache=False).logits[:, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
     valid = (attention[:, 1:] * attention[:, :-1]).float()  # (B, L-1): target and its context are real
-    first_response_column = input_ids.shape[1] - response_mask.shape[1]
-    in_response = torch.zeros_like(valid)
-    in_response[:, first_response_column - 1:] = 1.0  # nll[:, j] scores token j + 1
-    response_loss = (nll * valid * in_response).sum() / (valid * in_response).sum()
-    prompt_loss = (nll * valid * (1 - in_response)).sum() / (valid * (1 - in_response)).sum().clamp(min=1)
+    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are nll[:, P-1:].
+    split = input_ids.shape[1] - response_mask.shape[1] - 1
+    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
+    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
     return response_loss + prompt_weight * prompt_loss, response_loss
 
 
