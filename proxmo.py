@@ -21,6 +21,7 @@ Sections: 1 arguments, 2 prompts and parsing, 3 ProxMO advantages, 4 GRPO/GiGPO 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -87,8 +88,8 @@ class Args:
     """divide episode advantages by the group std (paper); --no-use-std reproduces the release"""
     tfidf_max_features: int = 1024
     invalid_action_penalty: float | None = None
-    """subtracted from a step's return when its action was not admissible (spec: step_penalties)
-    [preset: tiny 0.1 | real 0.0]"""
+    """subtracted from a step's return when its action was not admissible (spec: step_penalties;
+    the release's 0.1 on its 0-10 score scale is 0.01 on our 0/1 scale) [preset: tiny 0.1 | real 0.01]"""
 
     # RL
     iterations: int | None = None
@@ -111,6 +112,8 @@ class Args:
     """step samples per forward pass [preset: tiny 64 | real 8]"""
     max_grad_norm: float = 1.0
     rollout_temperature: float = 1.0
+    """sampling temperature of training rollouts; PPO scores responses under the same tempered
+    policy, softmax(logits / temperature), as veRL does"""
     top_p: float = 1.0
     max_new_tokens: int | None = None
     """[preset: tiny 12 | real 512]"""
@@ -162,7 +165,7 @@ class Args:
 def resolve_presets(args: Args) -> Args:
     tiny = args.model == "tiny"
     presets = dict(iterations=(12, 150), tasks_per_iteration=(4, 16), learning_rate=(5e-4, 1e-5),
-                   max_episode_steps=(30, 50), invalid_action_penalty=(0.1, 0.0),
+                   max_episode_steps=(30, 50), invalid_action_penalty=(0.1, 0.01),
                    micro_batch_size=(64, 8), max_new_tokens=(12, 512), reasoning=(False, True),
                    bc_epochs=(3, 0), bc_full_params=(True, False), bc_learning_rate=(2e-3, 1e-4),
                    bc_batch_size=(8, 16), eval_num_tasks=(96, 0), history_length=(1, 2),
@@ -172,6 +175,8 @@ def resolve_presets(args: Args) -> Args:
             setattr(args, name, tiny_value if tiny else real_value)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.rollout_temperature <= 0:
+        raise UsageError("--rollout-temperature must be > 0: the N trajectories of a group must be sampled")
     if args.backend == "vllm" and not args.device.startswith("cuda"):
         raise UsageError("--backend vllm needs a CUDA GPU; use --backend hf on CPU")
     return args
@@ -658,6 +663,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
     """PPO over the step samples (prompt_ids, response_ids, advantage): old and reference log-probs
     first, then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
+    temperature = args.rollout_temperature  # the policy that sampled: softmax(logits / temperature)
     device = next(model.parameters()).device
     lengths = [len(p) + len(r) for p, r, _ in samples]
 
@@ -666,11 +672,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
         with torch.no_grad():
             for idx in length_sorted_chunks(list(range(len(samples))), lengths, mb):
                 prompts, responses = [samples[i][0] for i in idx], [samples[i][1] for i in idx]
-                if reference:
-                    with model.disable_adapter():
-                        lp, _, _ = response_logprobs(model, prompts, responses, pad)
-                else:
-                    lp, _, _ = response_logprobs(model, prompts, responses, pad)
+                with model.disable_adapter() if reference else contextlib.nullcontext():
+                    lp, _, _ = response_logprobs(model, prompts, responses, pad, temperature=temperature)
                 for row, i in zip(lp, idx):
                     out[i] = row[:len(samples[i][1])]
         return out
@@ -692,7 +695,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
             for idx in length_sorted_chunks(mini, lengths, mb):
                 logp, mask, entropy = response_logprobs(model, [samples[i][0] for i in idx],
                                                         [samples[i][1] for i in idx], pad,
-                                                        with_entropy=args.entropy_coef > 0)
+                                                        with_entropy=args.entropy_coef > 0, temperature=temperature)
                 L = logp.shape[1]
                 pad_to = lambda rows: torch.stack([torch.nn.functional.pad(r, (0, L - len(r))) for r in rows]).to(device)
                 old, ref = pad_to([old_logp[i] for i in idx]), pad_to([ref_logp[i] for i in idx])

@@ -170,8 +170,9 @@ def pad_prompt_response(prompts: list[list[int]], responses: list[list[int]], pa
 
 
 def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                      with_entropy: bool = False):
-    """Per-token log pi(response token | prompt, earlier response tokens).
+                      with_entropy: bool = False, temperature: float = 1.0):
+    """Per-token log pi(response token | prompt, earlier response tokens), pi = softmax(logits /
+    temperature): the distribution the responses were sampled from.
 
     Returns (logp (B, R), mask (B, R), entropy (B, R) or None); R = longest response. Only the
     logits of response positions are materialised (logits_to_keep), which matters for 150k vocabs."""
@@ -180,7 +181,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
         t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
     R = targets.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   logits_to_keep=R + 1, use_cache=False).logits[:, :-1].float()
+                   logits_to_keep=R + 1, use_cache=False).logits[:, :-1].float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None

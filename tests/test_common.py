@@ -104,6 +104,17 @@ def test_response_logprobs_match_an_unpadded_forward(tiny):
         assert torch.allclose(logp[i, :len(r)], torch.tensor(expected), atol=1e-5)
 
 
+def test_response_logprobs_at_a_temperature_are_those_of_the_tempered_policy(tiny):
+    model, _ = tiny
+    prompt, response = [5, 6, 7], [8, 9]
+    logp, _, _ = response_logprobs(model, [prompt], [response], pad_id=0, temperature=0.5)
+    logits = model(torch.tensor([prompt + response])).logits[0].float()
+    tempered = torch.log_softmax(logits * 2.0, -1)  # logits / 0.5
+    expected = [tempered[2, 8].item(), tempered[3, 9].item()]
+    assert torch.allclose(logp[0], torch.tensor(expected), atol=1e-5)
+    assert not torch.allclose(logp[0], torch.log_softmax(logits, -1)[[2, 3], [8, 9]], atol=1e-3)
+
+
 def test_pad_prompt_response_layout():
     ids, attention, positions, targets, mask = pad_prompt_response([[1, 2], [3]], [[4], [5, 6]], pad_id=0)
     assert ids.tolist() == [[1, 2, 4, 0], [0, 3, 5, 6]]

@@ -60,6 +60,7 @@ def test_help_lists_the_flags(tmp_path):
     (["--env", "alfworld"], "alfworld-download"),
     (["--backend", "vllm", "--device", "cpu"], "needs a CUDA GPU"),
     (["--resume", "/nonexistent/run"], "no checkpoint"),
+    (["--rollout-temperature", "0"], "must be > 0"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, tmp_path):
     result = run([*argv, "--run-dir", str(tmp_path)], tmp_path, expect=2)
