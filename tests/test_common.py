@@ -10,7 +10,7 @@ from common.envbatch import EnvBatch
 from common.generation import hf_generate
 from common.model import (add_lora, build_tiny_tokenizer, load_lora, load_model_and_tokenizer, merge_lora,
                           pad_prompt_response, resolve_model_name, response_logprobs)
-from proxmo import PROMPT_WORDS, parse_action
+from proxmo import PROMPT_WORDS, is_well_formed, parse_action
 
 VOCAB = envs.vocabulary("household") + PROMPT_WORDS
 
@@ -166,3 +166,17 @@ def test_env_batch_steps_only_running_games():
 ])
 def test_parse_action(reply, action):
     assert parse_action(reply) == action
+
+
+@pytest.mark.parametrize("reply, reasoning, well_formed", [
+    ("<action>go to desk 1</action>", False, True),
+    ("<action>take unicorn 9 from moon 1</action>", False, True),  # inadmissible, still well formed
+    ("go to desk 1", False, False),
+    ("<action></action>", False, False),
+    ("<action>go to desk 1</action>", True, False),  # --reasoning asks for <think> too
+    ("<think>the mug is on the desk</think><action>go to desk 1</action>", True, True),
+    ("<think>unclosed <action>go to desk 1</action>", True, False),
+    ("<action>go to desk 1</action> \u684c\u5b50", False, False),  # Chinese characters
+])
+def test_is_well_formed(reply, reasoning, well_formed):
+    assert is_well_formed(reply, reasoning) is well_formed

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from proxmo import (cosine_similarity, discounted_returns, gigpo_group_advantages, gigpo_step_advantages,
-                    grpo_advantages, group_zscore, ppo_clip_loss, proximity_baselines, proxmo_batch_advantages,
-                    proxmo_episode_advantages, proxmo_group_advantages, proxmo_step_advantages, psc_weights,
-                    tfidf_vectors)
+from proxmo import (Args, compute_advantages, cosine_similarity, discounted_returns, gigpo_group_advantages,
+                    gigpo_step_advantages, grpo_advantages, group_zscore, ppo_clip_loss, proximity_baselines,
+                    proxmo_batch_advantages, proxmo_episode_advantages, proxmo_group_advantages,
+                    proxmo_step_advantages, psc_weights, tfidf_vectors)
 
 ATOL = 1e-6
 S0 = "You are in the middle of a room. Your task is to: put an apple in the fridge."
@@ -27,7 +27,7 @@ SUCC, FAIL = torch.tensor([0.0, 0.0, 1.0]), torch.zeros(3)
 
 def close(actual, expected):
     actual = torch.as_tensor(actual).to(torch.float64)
-    assert torch.allclose(actual, torch.tensor(expected, dtype=torch.float64), atol=ATOL, rtol=0), actual.tolist()
+    assert torch.allclose(actual, torch.as_tensor(expected, dtype=torch.float64), atol=ATOL, rtol=0), actual.tolist()
 
 
 def group_sim(states):
@@ -256,6 +256,42 @@ def test_step_penalties_are_subtracted_from_returns():
     episode = proxmo_episode_advantages(torch.tensor([1.0, 0.0]))
     check_all(with_penalty, [episode[i] + expected_step[i] for i in range(2)])
     assert not torch.allclose(plain[1], with_penalty[1])
+
+
+def test_gigpo_step_penalties_by_hand():
+    """Three trajectories, states (a, b) (a, c) (a, d), outcomes (1, 0, 0), rewards (0, 1) (0, 0)
+    (0, 0), gamma 0.5, omega 1, a penalty of 0.1 at trajectory 3's first step.
+    Episode: mean 1/3, population std sqrt(2/9) = 0.471405: z = (1.414211, -0.707105, -0.707105).
+    Returns (0.5, 1), (0, 0), (0 - 0.1, 0). Anchor "a" holds (0.5, 0, -0.1): mean 0.133333,
+    std sqrt(0.206667 / 3) = 0.262467, z = (1.396996, -0.507999, -0.888998); b, c, d are singletons (0).
+    A = (2.811207, 1.414211), (-1.215104, -0.707105), (-1.596103, -0.707105).
+    A penalty at trajectory 3's *last* step (a singleton anchor) is subtracted after discounting, so
+    step 1's return stays 0 and every advantage equals the unpenalised one, which has anchor "a"
+    (0.5, 0, 0) -> (1.414208, -0.707104, -0.707104)."""
+    states = [["a", "b"], ["a", "c"], ["a", "d"]]
+    outcomes = torch.tensor([1.0, 0.0, 0.0])
+    rewards = [torch.tensor([0.0, 1.0]), torch.zeros(2), torch.zeros(2)]
+    first = [torch.zeros(2), torch.zeros(2), torch.tensor([0.1, 0.0])]
+    check_all(gigpo_group_advantages(outcomes, rewards, states, gamma=0.5, step_penalties=first),
+              [[2.811207, 1.414211], [-1.215104, -0.707105], [-1.596103, -0.707105]])
+    last = [torch.zeros(2), torch.zeros(2), torch.tensor([0.0, 0.1])]
+    unpenalised = [[2.828418, 1.414211], [-1.414209, -0.707105], [-1.414209, -0.707105]]
+    check_all(gigpo_group_advantages(outcomes, rewards, states, gamma=0.5, step_penalties=last), unpenalised)
+    check_all(gigpo_group_advantages(outcomes, rewards, states, gamma=0.5), unpenalised)
+
+
+def test_only_malformed_replies_are_penalised():
+    """compute_advantages with --advantage grpo: A = z-scored outcome - penalty per step. Outcomes
+    (1, 0) give z = (0.5 / (0.5 + 1e-6), -...) = (0.999998, -0.999998); of the winner's two steps
+    the inadmissible but well-formed one keeps 0.999998, the malformed one gets 0.999998 - 0.01."""
+    def step(valid, well_formed):
+        return {"state": "s", "valid": valid, "well_formed": well_formed}
+    trajectories = [
+        {"won": True, "group": 0, "rewards": [0.0, 1.0], "steps": [step(False, True), step(False, False)]},
+        {"won": False, "group": 0, "rewards": [0.0], "steps": [step(True, True)]},
+    ]
+    advs = compute_advantages(Args(advantage="grpo"), trajectories)
+    check_all(advs, [[0.999998, 0.989998], [-0.999998]])
 
 
 def test_batch_with_two_interleaved_groups_matches_batch_level_reference():
