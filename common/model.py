@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import string
+from urllib.parse import urlparse
 
 import torch
 
@@ -95,11 +97,17 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
 
     errors = []
     for candidate in resolve_model_name(name):
+        # Without a reachable hub, loading a hub id retries for about a minute before failing:
+        # ask the local cache only, and say so if the model is not there.
+        cache_only = not os.path.isdir(candidate) and not _hub_reachable()
         try:
-            tokenizer = _load_tokenizer(candidate)
-            model = AutoModelForCausalLM.from_pretrained(candidate, dtype=dtype)
+            tokenizer = _load_tokenizer(candidate, local_files_only=cache_only)
+            model = AutoModelForCausalLM.from_pretrained(candidate, dtype=dtype,
+                                                         local_files_only=cache_only)
         except (OSError, ValueError) as e:
-            errors.append(f"  {candidate}: {str(e).splitlines()[0]}")
+            reason = ("the hub is unreachable (offline) and the model is not in the local cache"
+                      if cache_only else str(e).splitlines()[0])
+            errors.append(f"  {candidate}: {reason}")
             continue
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
@@ -109,11 +117,38 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
     if not os.path.isdir(local):
         errors.append(f"  (no local directory {local})")
     raise UsageError(f"cannot load model {name!r}. Tried:\n" + "\n".join(errors)
-                     + "\nPass a local directory, a hub id such as Qwen/Qwen2.5-1.5B-Instruct (needs the "
-                       "hub or a filled HF cache), or 'tiny'.")
+                     + "\nPass a local directory (a model saved with save_pretrained), a hub id "
+                       "such as Qwen/Qwen2.5-1.5B-Instruct (needs the hub or a filled HF cache; "
+                       "HF_HUB_OFFLINE=1 uses the cache only), or 'tiny'.")
 
 
-def _load_tokenizer(path: str):
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """False when HF_HUB_OFFLINE is set or the hub endpoint cannot be connected to quickly."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    endpoint = urlparse(constants.ENDPOINT)
+    address = (endpoint.hostname, endpoint.port or 443)
+    try:
+        socket.create_connection(address, timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a response: the tokenizer's eos and the generation config's (Qwen2.5
+    lists both <|im_end|> and <|endoftext|> there), tokenizer's first."""
+    ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in configured if isinstance(configured, (list, tuple)) else [configured]:
+        if i is not None and i not in ids:
+            ids.append(int(i))
+    return ids
+
+
+def _load_tokenizer(path: str, local_files_only: bool = False):
     """AutoTokenizer, except for a plain `tokenizers` tokenizer saved by us (the tiny one), which
     AutoTokenizer would rebuild as the model type's tokenizer class with another decoder."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -123,7 +158,7 @@ def _load_tokenizer(path: str):
         with open(config_file) as f:
             if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
                 return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
 
 
 # ---- LoRA ------------------------------------------------------------------------------------------

@@ -18,7 +18,10 @@ TASK_TYPES = household.TASK_TYPES  # ALFWorld's six type names, shared by both e
 SHORT_TYPE_NAMES = {"pick_and_place_simple": "pick", "look_at_obj_in_light": "look",
                     "pick_clean_then_place_in_recep": "clean", "pick_heat_then_place_in_recep": "heat",
                     "pick_cool_then_place_in_recep": "cool", "pick_two_obj_and_place": "pick2"}
+SPLITS = {"household": household.SPLITS, "alfworld": alfworld_env.SPLITS}
 TRAIN_SPLIT = {"household": "train", "alfworld": "train"}
+# Evaluation splits by default; the first is the headline. ALFWorld's valid_unseen holds the
+# rooms and objects not seen in training, the papers' "unseen" test.
 EVAL_SPLITS = {"household": ("test",), "alfworld": ("valid_unseen", "valid_seen")}
 
 
@@ -39,11 +42,13 @@ def list_tasks(env_name: str, split: str, num_tasks: int | None = None) -> list:
     return files[:num_tasks] if num_tasks else files
 
 
-def make_game(env_name: str, task, max_steps: int):
+def make_game(env_name: str, task, max_steps: int, expert: bool = False):
+    """A game of `task`. expert=True is needed for expert_action() (behavior-cloning demos); the
+    household's expert is free, ALFWorld's makes every step slower."""
     _check(env_name)
     if env_name == "household":
         return household.HouseholdEnv(household.generate_task(task), max_steps=max_steps)
-    return alfworld_env.AlfworldEnv(task, max_steps=max_steps)
+    return alfworld_env.AlfworldEnv(task, max_steps=max_steps, expert=expert)
 
 
 def vocabulary(env_name: str) -> list[str]:

@@ -3,8 +3,14 @@ per object, behind the same small interface as envs/household.py.
 
 Games are read from $ALFWORLD_DATA/json_2.1.1/<split>/<task>/<trial>/game.tw-pddl, which the
 `alfworld-download` command of the alfworld package fetches (the wheel ships no games). Like
-AlfredTWEnv we skip "movable" / "Sliced" trials and games marked unsolvable. Expert actions come
-from alfworld's hand-coded TextWorld expert (AlfredExpert wrapper), as in its DAgger training.
+AlfredTWEnv we skip "movable" / "Sliced" trials and games marked unsolvable.
+
+Expert actions come from alfworld's hand-coded TextWorld expert (HandCodedTWAgent, what its
+AlfredExpert wrapper runs), driven here, and only in games made with expert=True (the
+behavior-cloning demonstrations): it needs the engine's `facts` at every step, which is slow.
+alfworld 0.4.2's expert empties its inventory only after a command containing "put", but the
+game grammar's command is "move X to Y", so in pick-two games it kept "holding" the first object
+and looped until the step limit; the expert is told "put X in/on Y" for such a command instead.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
+import re
 
 from common import UsageError
 from envs.base import begin_step
@@ -22,9 +30,10 @@ TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_
               "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep",
               "pick_two_obj_and_place")
 DOWNLOAD_HINT = ("fetch the games with the alfworld package's own command:\n"
-                 "    pip install alfworld && export ALFWORLD_DATA=~/alfworld_data && alfworld-download\n"
-                 "(alfworld-download writes json_2.1.1/ under $ALFWORLD_DATA; keep ALFWORLD_DATA set "
-                 "when you run the scripts)")
+                 "    pip install alfworld && export ALFWORLD_DATA=~/alfworld_data && "
+                 "alfworld-download\n"
+                 "(alfworld-download writes json_2.1.1/ under $ALFWORLD_DATA; keep ALFWORLD_DATA "
+                 "set when you run the scripts)")
 
 
 def data_root() -> str:
@@ -58,22 +67,32 @@ def game_files(split: str) -> list[str]:
     return files
 
 
-class AlfworldEnv:
-    """One ALFWorld game. reset() -> first observation; step(command) -> (obs, reward, done, info)."""
+def expert_view(command: str) -> str:
+    """The command as alfworld's hand-coded expert must see it to track its inventory: the
+    grammar's "move X to Y" written as the older "put X in/on Y" (see the module docstring)."""
+    moved = re.fullmatch(r"move (.+) to (.+)", command)
+    return f"put {moved[1]} in/on {moved[2]}" if moved else command
 
-    def __init__(self, game_file: str, max_steps: int = 50):
+
+class AlfworldEnv:
+    """One ALFWorld game. reset() -> first observation; step(command) -> (obs, reward, done, info).
+    expert_action() needs expert=True."""
+
+    def __init__(self, game_file: str, max_steps: int = 50, expert: bool = False):
         try:
             import textworld
-            from alfworld.agents.environment.alfred_tw_env import (AlfredDemangler, AlfredExpert,
-                                                                   AlfredExpertType, AlfredInfos)
+            from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
         except ImportError as e:  # pragma: no cover - alfworld is in requirements.txt
-            raise UsageError(f"--env alfworld needs the alfworld package ({e}); pip install alfworld") from e
-        self.game_file, self.max_steps = game_file, max_steps
+            raise UsageError(f"--env alfworld needs the alfworld package ({e}); "
+                             "pip install alfworld") from e
+        self.game_file, self.max_steps, self.expert = game_file, max_steps, expert
         self.task_type = task_type_of(game_file)
-        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile", "expert_plan"])
-        wrappers = [AlfredDemangler(), AlfredInfos, AlfredExpert(expert_type=AlfredExpertType.HANDCODED)]
-        self._env = textworld.start(game_file, infos, wrappers=wrappers)
+        infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=expert,
+                                   extras=["gamefile"])
+        self._env = textworld.start(game_file, infos, wrappers=[AlfredDemangler(), AlfredInfos])
         self._state = None
+        self._expert_agent = None
+        self._expert_plan = "look"
         self.task_description = ""
         self.steps = 0
         self.won = False
@@ -81,6 +100,13 @@ class AlfworldEnv:
     def reset(self) -> str:
         self._state = self._env.reset()
         self.steps, self.won = 0, False
+        if self.expert:
+            from alfworld.agents.expert import HandCodedTWAgent
+
+            self._expert_agent = HandCodedTWAgent(max_steps=200)
+            self._expert_agent.reset(self.game_file)
+            self._expert_agent.observe(self._state.feedback)
+            self._expert_plan = "look"
         obs = self._state.feedback
         # Drop TextWorld's banner; keep "You are in the middle of a room ... Your task is to: ...".
         start = obs.find("You are in the middle")
@@ -92,7 +118,30 @@ class AlfworldEnv:
         return [a for a in self._state["admissible_commands"] if a != "help"]
 
     def expert_action(self) -> str:
-        return self._state["extra.expert_plan"][0]
+        if not self.expert:
+            raise RuntimeError("expert_action() needs a game made with expert=True")
+        return self._expert_plan
+
+    def _update_expert(self, command: str) -> None:
+        """What alfworld's AlfredExpert does after a step, with expert_view(command). An expert
+        that fails or times out (it raises) answers "look" from then on instead of ending the
+        run."""
+        from alfworld.agents.expert.handcoded_expert import (HandCodedAgentFailed,
+                                                             HandCodedAgentTimeout)
+
+        if self._expert_agent is None:
+            self._expert_plan = "look"
+            return
+        admissible = self.admissible_actions()
+        try:
+            action = self._expert_agent.policy.act(self._state, expert_view(command))
+        except (HandCodedAgentFailed, HandCodedAgentTimeout, IndexError, KeyError, ValueError):
+            self._expert_agent, self._expert_plan = None, "look"
+            return
+        # HandCodedAgent.act's guard against repeating itself, on the command as played.
+        if action == command or (command == "look" and action not in admissible):
+            action = random.choice(admissible)
+        self._expert_plan = action if action in admissible else "look"
 
     def step(self, command: str) -> tuple[str, float, bool, dict]:
         command, valid = begin_step(self, command)
@@ -100,4 +149,7 @@ class AlfworldEnv:
         self._state, _, _ = self._env.step(command)
         self.won = bool(self._state["won"])
         done = self.won or self.steps >= self.max_steps
-        return self._state.feedback.strip(), float(self.won), done, {"won": self.won, "valid": valid}
+        if self.expert and not done:
+            self._update_expert(command)
+        info = {"won": self.won, "valid": valid}
+        return self._state.feedback.strip(), float(self.won), done, info

@@ -461,6 +461,7 @@ class HouseholdEnv:
 
 
 # ---- task sets -----------------------------------------------------------------------------------
+SPLITS = ("train", "test")
 _TRAIN_CACHE: dict[int, set] = {}
 
 

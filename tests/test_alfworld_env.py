@@ -23,10 +23,12 @@ def test_missing_data_says_what_to_run(tmp_path, monkeypatch):
 
 def test_script_exits_cleanly_without_data(tmp_path):
     env = dict(os.environ, ALFWORLD_DATA=str(tmp_path), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "proxmo.py", "--env", "alfworld", "--model", "Qwen2.5-0.5B-Instruct"],
+    result = subprocess.run([sys.executable, "proxmo.py", "--env", "alfworld", "--model", "Qwen2.5-0.5B-Instruct",
+                             "--run-dir", str(tmp_path / "runs")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "alfworld-download" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists()  # a run stopped by bad input leaves no directory
 
 
 def test_unknown_split_is_rejected():
@@ -42,6 +44,48 @@ def test_task_type_from_game_path():
     assert set(alfworld_env.TASK_TYPES) == set(envs.TASK_TYPES)
 
 
+def test_expert_sees_move_as_put():
+    assert alfworld_env.expert_view("move mug 1 to desk 2") == "put mug 1 in/on desk 2"
+    assert alfworld_env.expert_view("take mug 1 from desk 2") == "take mug 1 from desk 2"
+    assert alfworld_env.expert_view("go to desk 2") == "go to desk 2"
+
+
+def test_pick_two_expert_empties_its_inventory_after_a_move():
+    """alfworld 0.4.2's hand-coded expert updates its inventory on "put" only; the grammar's
+    command is "move X to Y". Stock, it still holds the first object after placing it (and loops
+    in pick-two games); told the command through expert_view, its hands are empty."""
+    from alfworld.agents.expert.handcoded_expert_tw import PickTwoObjAndPlaceTWPolicy
+
+    params = {"object_target": "mug", "parent_target": "desk", "toggle_target": "", "mrecep_target": "",
+              "object_sliced": False, "task_type": "pick_two_obj_and_place"}
+    inventories = {}
+    for name, view in (("stock", lambda c: c), ("fixed", alfworld_env.expert_view)):
+        expert = PickTwoObjAndPlaceTWPolicy(params, max_steps=200)
+        expert.update_state_tracking({"feedback": "You pick up the mug 1 from the shelf 1."},
+                                     view("take mug 1 from shelf 1"))
+        assert expert.inventory == ["mug 1"]
+        expert.update_state_tracking({"feedback": "You move the mug 1 to the desk 1."}, view("move mug 1 to desk 1"))
+        inventories[name] = expert.inventory
+    assert inventories == {"stock": ["mug 1"], "fixed": []}
+
+
+def test_games_without_expert_do_not_compute_it(monkeypatch):
+    """The expert (and the engine facts it needs) runs only in games made with expert=True."""
+    captured = {}
+
+    def fake_start(path, infos, wrappers):
+        captured["facts"] = infos.facts
+        raise RuntimeError("stop here")
+
+    import textworld
+    monkeypatch.setattr(textworld, "start", fake_start)
+    path = "/d/json_2.1.1/train/pick_two_obj_and_place-Mug-None-Desk-1/trial_T1/game.tw-pddl"
+    for expert in (False, True):
+        with pytest.raises(RuntimeError, match="stop here"):
+            envs.make_game("alfworld", path, max_steps=5, expert=expert)
+        assert captured["facts"] is expert
+
+
 def _games_or_skip(split):
     try:
         return alfworld_env.game_files(split)
@@ -51,7 +95,7 @@ def _games_or_skip(split):
 
 def test_expert_solves_a_game_and_invalid_commands_are_flagged():
     game_file = _games_or_skip("valid_seen")[0]
-    game = alfworld_env.AlfworldEnv(game_file, max_steps=50)
+    game = alfworld_env.AlfworldEnv(game_file, max_steps=50, expert=True)
     obs = game.reset()
     assert obs.startswith("You are in the middle of a room") and game.task_description
     obs, reward, done, info = game.step("fly to the moon")

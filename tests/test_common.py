@@ -1,15 +1,21 @@
 """common/: model resolution and loading, the tiny tokenizer, LoRA round trips, generation,
 log-probabilities, env batching; and the action parser of the scripts."""
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
+import common.model
 import envs
 from common import UsageError
 from common.envbatch import EnvBatch
 from common.generation import hf_generate
-from common.model import (add_lora, build_tiny_tokenizer, load_lora, load_model_and_tokenizer, merge_lora,
-                          pad_prompt_response, resolve_model_name, response_logprobs)
+from common.model import (add_lora, build_tiny_tokenizer, eos_token_ids, load_lora, load_model_and_tokenizer,
+                          merge_lora, pad_prompt_response, resolve_model_name, response_logprobs)
 from proxmo import PROMPT_WORDS, is_well_formed, parse_action
 
 VOCAB = envs.vocabulary("household") + PROMPT_WORDS
@@ -142,6 +148,65 @@ def test_hf_generate_greedy_is_deterministic_and_cut_at_eos(tiny):
     eos = a[0][0]
     cut = hf_generate(model, prompts[:1], pad_id=tok.pad_token_id, eos_ids=[eos], max_new_tokens=6, temperature=0.0)
     assert cut == [[eos]]
+
+
+def test_sampling_ignores_the_checkpoint_generation_config(tiny):
+    """A checkpoint's generation_config (Qwen2.5-Instruct ships repetition_penalty, top_k, top_p,
+    temperature) must not act during rollouts: the log-probs generate() sampled from equal the
+    log-probs PPO scores the same tokens with, softmax(logits / T)."""
+    model, tok = tiny
+    saved = model.generation_config
+    model.generation_config = type(saved)(repetition_penalty=3.0, top_k=3, top_p=0.5, temperature=0.2,
+                                          no_repeat_ngram_size=1, suppress_tokens=list(range(10, 400)),
+                                          do_sample=True)
+    try:
+        prompts = [tok("you arrive at desk 1 . on the desk 1 , you see a mug 1 .").input_ids,
+                   tok("nothing happens .").input_ids]
+        torch.manual_seed(0)
+        responses, sampled_logp = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
+                                              max_new_tokens=8, temperature=0.7, return_logprobs=True)
+        torch.manual_seed(0)
+        again = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
+                            max_new_tokens=8, temperature=0.7)
+    finally:
+        model.generation_config = saved
+    assert again == responses and all(len(r) == len(lp) for r, lp in zip(responses, sampled_logp))
+    logp, _, _ = response_logprobs(model, prompts, responses, pad_id=tok.pad_token_id, temperature=0.7)
+    for i, r in enumerate(responses):
+        assert torch.allclose(logp[i, :len(r)], torch.tensor(sampled_logp[i]), atol=1e-4)
+
+
+def test_eos_ids_are_the_tokenizer_and_generation_config_union(tiny):
+    model, tok = tiny
+    saved = model.generation_config.eos_token_id
+    try:
+        model.generation_config.eos_token_id = [5, tok.eos_token_id, 6]  # Qwen2.5 lists two
+        assert eos_token_ids(model, tok) == [tok.eos_token_id, 5, 6]
+        model.generation_config.eos_token_id = 7
+        assert eos_token_ids(model, tok) == [tok.eos_token_id, 7]
+        model.generation_config.eos_token_id = None
+        assert eos_token_ids(model, tok) == [tok.eos_token_id]
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
+def test_unreachable_hub_fails_fast_with_a_hint(monkeypatch):
+    monkeypatch.setattr(common.model, "_hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(UsageError) as err:
+        load_model_and_tokenizer("Qwen/Qwen-no-such-model-0B")
+    assert "hub is unreachable" in str(err.value) and "local directory" in str(err.value)
+
+
+def test_a_hub_id_without_network_fails_within_seconds():
+    """Without HF_HUB_OFFLINE, where the hub cannot be reached (as in CI) or does not know the
+    model, loading stops in seconds instead of retrying for a minute."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    code = "from common.model import load_model_and_tokenizer as f; f('Qwen/Qwen-no-such-model-0B')"
+    t0 = time.time()
+    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "cannot load model" in result.stderr
+    assert time.time() - t0 < 30 and "Retrying" not in result.stderr
 
 
 def test_env_batch_steps_only_running_games():
