@@ -11,9 +11,9 @@ ProxMO is GiGPO with two changes to the advantage:
   KL penalty to the reference policy (Eq. 13). No critic, no learned reward model.
 
 Run:
-    python proxmo.py                                    # tiny model, built-in household, CPU, minutes
-    python proxmo.py --advantage grpo                   # the GRPO baseline on the same harness
-    python proxmo.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the paper's setting
+    python proxmo.py                        # tiny model, built-in household, CPU, minutes
+    python proxmo.py --advantage grpo       # the GRPO baseline on the same harness
+    python proxmo.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the paper's
 
 Sections: 1 arguments, 2 prompts and parsing, 3 ProxMO advantages, 4 GRPO/GiGPO baselines,
 5 policy loss, 6 rollouts, 7 behavior cloning, 8 evaluation, 9 training loop.
@@ -27,53 +27,62 @@ import math
 import os
 import random
 import re
+import shlex
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 import envs
 from common import UsageError
 from common.envbatch import EnvBatch
 from common.generation import hf_generate, make_vllm_engine, vllm_generate
-from common.model import (add_lora, load_lora, load_model_and_tokenizer, merge_lora, pad_prompt_response,
-                          resolve_model_name, response_logprobs)
+from common.model import (add_lora, eos_token_ids, load_lora, load_model_and_tokenizer, merge_lora,
+                          pad_prompt_response, resolve_model_name, response_logprobs)
+from common.progress import Progress
 
 
-# ---- 1. Arguments --------------------------------------------------------------------------------
+# ---- 1. Arguments -------------------------------------------------------------------------------
 @dataclass
 class Args:
     """ProxMO (and the GRPO / GiGPO baselines) for multi-turn LLM agents.
 
-    Fields left at None take a preset: the paper's value (spec table) with a real model, a value
-    that trains in minutes on 2 CPU cores with `--model tiny`. The resolved values are printed."""
+    Defaults marked [preset: tiny X | real Y] depend on --model: a value that trains in minutes
+    on 2 CPU cores with `--model tiny`, the paper's (or the authors' scripts') value with a real
+    model. --help shows the defaults of the --model it is given. The resolved values are
+    printed."""
 
     exp_name: str = "proxmo"
+    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
     seed: int = 1
-    """seeds python, numpy and torch (task sampling, LoRA init, sampling during rollouts)"""
+    """seeds python, numpy and torch (task sampling, LoRA init, rollout sampling); evaluations
+    draw from their own generator seeded with it"""
     env: Literal["household", "alfworld"] = "household"
-    """household (built-in, no download) or alfworld (needs $ALFWORLD_DATA)"""
+    """household (built in, no download) or alfworld (needs $ALFWORLD_DATA)"""
     model: str = "tiny"
     """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct) or tiny"""
     backend: Literal["hf", "vllm"] = "hf"
     """rollout generation: transformers generate (KV cache) or vLLM with the LoRA adapter (GPU)"""
-    device: str | None = None
-    """cuda if available, else cpu"""
+    device: str = "cpu"
+    """torch device [preset: cuda when available, else cpu]"""
     track: bool = False
-    """log to Weights & Biases"""
+    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
     wandb_project: str = "llm-agent-credit-assignment"
+    """Weights & Biases project of --track"""
     run_dir: str = "runs"
+    """where run directories are created"""
     resume: str | None = None
-    """a run directory (runs/NAME) to continue from its last checkpoint"""
+    """a run directory (runs/NAME) to continue from its last checkpoint, with its saved
+    configuration; only --iterations may differ from it"""
 
     # Advantage estimator: the method and the baselines it is compared against.
     advantage: Literal["proxmo", "grpo", "gigpo"] = "proxmo"
+    """proxmo (Eqs. 5-12), grpo (episode z-score only) or gigpo (exact-match anchor states)"""
     psc_alpha: float = 4.0
     """alpha, steepness of the success-rate modulation (Eq. 6)"""
     psc_beta: float = 0.1
@@ -83,124 +92,235 @@ class Args:
     gamma: float = 0.95
     """discount of step returns (Eq. 8)"""
     step_weight: float = 1.0
-    """omega, weight of the step advantage (Eq. 12)"""
+    """omega, weight of the step advantage (Eq. 12); 0 with --psc-beta 0 gives GRPO"""
     use_std: bool = True
-    """divide episode advantages by the group std (paper); --no-use-std reproduces the release"""
+    """divide episode (and GiGPO anchor) advantages by the group std, as the paper; --no-use-std
+    only subtracts the mean, as the authors' launch scripts"""
     tfidf_max_features: int = 1024
+    """vocabulary size of the TF-IDF over observation texts (Eq. 9)"""
     invalid_action_penalty: float = 0.01
-    """subtracted from a step's return when its reply is malformed: no <action> tag (with
-    --reasoning also no <think> tag) or Chinese characters (spec: step_penalties; the release's
-    0.1 on its 0-10 score scale). An inadmissible but well-formed action is not penalised: the
-    environment already answers it with "Nothing happens." (a 0.1 penalty on inadmissible actions
-    left the tiny model at 20.7 % test success against 24.3 % without one, see README)"""
+    """subtracted from the final advantage of every malformed reply (no <action> tag, with
+    --reasoning no <think> tag, or Chinese characters), the same for every --advantage"""
 
     # RL
-    iterations: int | None = None
-    """[preset: tiny 8 (the whole default run within 10 minutes on 2 CPU cores) | paper 150]"""
-    tasks_per_iteration: int | None = None
-    """[preset: tiny 4 | paper 16]"""
+    iterations: int = 8
+    """training iterations [preset: tiny 8 | real 150]"""
+    tasks_per_iteration: int = 4
+    """training tasks per iteration, each played --group-size times [preset: tiny 4 | real 16]"""
     group_size: int = 8
-    """N trajectories per task"""
-    max_episode_steps: int | None = None
-    """[preset: tiny 30 (the household expert needs at most 27) | real 50]"""
-    learning_rate: float | None = None
-    """[preset: tiny 5e-4 | real model 1e-5 (paper's 1e-6 is for full fine-tuning)]"""
+    """N trajectories per task (a group); 1 makes every episode advantage 0"""
+    max_episode_steps: int = 30
+    """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 50]"""
+    learning_rate: float = 5e-4
+    """AdamW learning rate of the LoRA weights [preset: tiny 5e-4 | real 1e-5 (the paper's 1e-6
+    is for full fine-tuning)]"""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the RL update"""
     clip_eps: float = 0.2
+    """PPO clip range epsilon of the ratio (Eq. 13)"""
+    clip_ratio_c: float | None = None
+    """dual-clip bound c > 1: for negative advantages the loss is at most -c * A (off by default;
+    veRL's 3.0)"""
     kl_coef: float = 0.01
+    """weight of the k3 KL penalty to the reference policy (the adapter disabled); 0 skips the
+    reference pass"""
     entropy_coef: float = 0.0
+    """weight of the entropy bonus"""
     ppo_epochs: int = 1
+    """passes over an iteration's step samples"""
     minibatch_size: int = 256
     """step samples per optimizer step"""
-    micro_batch_size: int | None = None
+    micro_batch_size: int = 64
     """step samples per forward pass [preset: tiny 64 | real 8]"""
     max_grad_norm: float = 1.0
+    """gradient-norm clip of every optimizer step"""
     rollout_temperature: float = 1.0
     """sampling temperature of training rollouts; PPO scores responses under the same tempered
-    policy, softmax(logits / temperature), as veRL does"""
+    policy, softmax(logits / temperature)"""
     top_p: float = 1.0
-    max_new_tokens: int | None = None
-    """[preset: tiny 12 | real 512]"""
+    """nucleus sampling of rollouts and evaluation (1 = off)"""
+    max_new_tokens: int = 12
+    """response length limit [preset: tiny 12 | real 512]"""
     max_prompt_tokens: int = 2048
-    history_length: int | None = None
+    """prompt length limit; longer prompts drop their oldest history pairs first"""
+    history_length: int = 1
     """past (observation, action) pairs shown in the prompt [preset: tiny 1 | real 2 (paper)]"""
-    reasoning: bool | None = None
-    """ask for <think> reasoning before the action [preset: tiny False | real True]"""
+    reasoning: bool = False
+    """ask for <think> reasoning before the action [preset: tiny off | real on]"""
 
     # LoRA
     lora_r: int = 16
+    """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
     lora_alpha: int = 32
+    """LoRA alpha (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
+    """dropout on the LoRA input"""
     lora_target_modules: str = "all-linear"
     """comma-separated module names, or all-linear"""
 
-    # Behavior cloning on expert trajectories (0 epochs skips it; the paper starts from Instruct)
-    bc_epochs: int | None = None
-    """[preset: tiny 3 | real 0]"""
-    bc_full_params: bool | None = None
-    """train every weight during BC instead of a LoRA adapter [preset: tiny True (its random
-    embeddings and norms are out of LoRA's reach) | real False]"""
+    # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
+    bc_epochs: int = 3
+    """epochs of BC before RL; 0 skips it [preset: tiny 3 | real 0]"""
+    bc_full_params: bool = True
+    """train every weight during BC instead of a LoRA adapter [preset: tiny on (random
+    embeddings are out of LoRA's reach) | real off]"""
     bc_num_tasks: int = 400
+    """training tasks the expert plays for BC demonstrations"""
     bc_noise: float = 0.2
     """share of demonstration steps where a mistake is executed instead of the expert's action
-    (the label stays the expert's), so BC also sees how to recover from mistakes"""
-    bc_prompt_loss_weight: float | None = None
-    """weight of the prompt tokens' next-token loss in BC (see bc_loss) [preset: tiny 1.0 | real 0]"""
-    bc_learning_rate: float | None = None
-    """[preset: tiny 2e-3 | real 1e-4]"""
-    bc_batch_size: int | None = None
-    """[preset: tiny 8 (small batches: as many updates per CPU second, and copying actions from
-    the prompt is learned in updates, not samples) | real 16]"""
+    (the label stays the expert's), so BC also sees recoveries"""
+    bc_prompt_loss_weight: float = 1.0
+    """weight of the prompt tokens' next-token loss in BC (see bc_loss)
+    [preset: tiny 1 | real 0]"""
+    bc_learning_rate: float = 2e-3
+    """AdamW learning rate of behavior cloning [preset: tiny 2e-3 | real 1e-4]"""
+    bc_batch_size: int = 8
+    """demonstration steps per BC update [preset: tiny 8 | real 16]"""
 
     # Evaluation
-    eval_every: int | None = None
-    """iterations between evaluations (also done at iteration 0 and at the end) [preset: tiny 8, i.e.
-    start and end only, to afford 200 test tasks | paper 5]"""
-    eval_num_tasks: int | None = None
-    """test tasks per split [preset: tiny 200 (one standard error is ~3 points; on 96 tasks the same
-    model scored 24.0, 19.8 and 20.8 % with three evaluation seeds) | real: whole split]"""
+    eval_splits: tuple[str, ...] = ("test",)
+    """splits to evaluate on, the first is the headline [preset: household test | alfworld
+    valid_unseen valid_seen (unseen is the papers' headline)]"""
+    eval_every: int = 8
+    """iterations between evaluations, besides iteration 0 and the last
+    [preset: tiny 8 | real 5]"""
+    eval_num_tasks: int = 200
+    """first tasks of each split to evaluate; 0 = the whole split [preset: tiny 200 | real 0]"""
     eval_temperature: float = 0.4
-    """sampling temperature of evaluation (the paper's 0.4; 0 is greedy). With --backend hf every
-    evaluation draws from its own generator seeded with --seed, so evaluations compare like with
-    like and do not shift the training run's random stream"""
+    """sampling temperature of evaluation (the paper's 0.4; 0 is greedy)"""
     save_every: int = 10
+    """iterations between checkpoints (the last iteration is always saved)"""
 
     # vLLM
     vllm_gpu_memory_utilization: float = 0.35
+    """share of GPU memory vLLM may take (the rest holds the training model)"""
 
 
-def resolve_presets(args: Args) -> Args:
-    tiny = args.model == "tiny"
-    presets = dict(iterations=(8, 150), eval_every=(8, 5), tasks_per_iteration=(4, 16),
-                   learning_rate=(5e-4, 1e-5), max_episode_steps=(30, 50), micro_batch_size=(64, 8),
-                   max_new_tokens=(12, 512), reasoning=(False, True),
-                   bc_epochs=(3, 0), bc_full_params=(True, False), bc_learning_rate=(2e-3, 1e-4),
-                   bc_batch_size=(8, 16), eval_num_tasks=(200, 0), history_length=(1, 2),
-                   bc_prompt_loss_weight=(1.0, 0.0))
-    for name, (tiny_value, real_value) in presets.items():
-        if getattr(args, name) is None:
-            setattr(args, name, tiny_value if tiny else real_value)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.rollout_temperature <= 0:
-        raise UsageError("--rollout-temperature must be > 0: the N trajectories of a group must be sampled")
-    if args.backend == "vllm" and not args.device.startswith("cuda"):
-        raise UsageError("--backend vllm needs a CUDA GPU; use --backend hf on CPU")
+REAL_MODEL_PRESETS = dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50,
+                          learning_rate=1e-5, micro_batch_size=8, max_new_tokens=512,
+                          history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,
+                          bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
+                          eval_every=5, eval_num_tasks=0)
+
+
+def preset_args(model: str = "tiny", env: str = "household") -> Args:
+    """The defaults for `model` and `env`: the dataclass's (tiny presets) or REAL_MODEL_PRESETS."""
+    args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
+                device="cuda" if torch.cuda.is_available() else "cpu")
+    return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)
+
+
+def validate_args(args: Args) -> list[str]:
+    """One line per nonsensical value; [] when all are usable."""
+    a = args
+    rules = [
+        (a.iterations >= 1, "--iterations must be >= 1"),
+        (a.tasks_per_iteration >= 1, "--tasks-per-iteration must be >= 1"),
+        (a.group_size >= 1, "--group-size must be >= 1"),
+        (a.max_episode_steps >= 1, "--max-episode-steps must be >= 1"),
+        (a.learning_rate > 0, "--learning-rate must be > 0"),
+        (a.weight_decay >= 0, "--weight-decay must be >= 0"),
+        (0 < a.clip_eps < 1, "--clip-eps must be in (0, 1)"),
+        (a.clip_ratio_c is None or a.clip_ratio_c > 1, "--clip-ratio-c must be > 1"),
+        (a.kl_coef >= 0, "--kl-coef must be >= 0"),
+        (a.entropy_coef >= 0, "--entropy-coef must be >= 0"),
+        (a.ppo_epochs >= 1, "--ppo-epochs must be >= 1"),
+        (a.minibatch_size >= 1, "--minibatch-size must be >= 1"),
+        (a.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
+        (a.max_grad_norm > 0, "--max-grad-norm must be > 0"),
+        (a.rollout_temperature > 0,
+         "--rollout-temperature must be > 0: the N trajectories of a group must be sampled"),
+        (0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
+        (a.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (a.max_prompt_tokens >= 1, "--max-prompt-tokens must be >= 1"),
+        (a.history_length >= 0, "--history-length must be >= 0"),
+        (a.psc_alpha >= 0, "--psc-alpha must be >= 0"),
+        (a.psc_beta >= 0, "--psc-beta must be >= 0"),
+        (a.proximity_temperature > 0, "--proximity-temperature must be > 0"),
+        (0 < a.gamma <= 1, "--gamma must be in (0, 1]"),
+        (a.step_weight >= 0, "--step-weight must be >= 0"),
+        (a.tfidf_max_features >= 1, "--tfidf-max-features must be >= 1"),
+        (a.invalid_action_penalty >= 0, "--invalid-action-penalty must be >= 0"),
+        (a.lora_r >= 1, "--lora-r must be >= 1"),
+        (a.lora_alpha > 0, "--lora-alpha must be > 0"),
+        (0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
+        (a.bc_epochs >= 0, "--bc-epochs must be >= 0"),
+        (a.bc_num_tasks >= 1, "--bc-num-tasks must be >= 1"),
+        (0 <= a.bc_noise <= 1, "--bc-noise must be in [0, 1]"),
+        (a.bc_prompt_loss_weight >= 0, "--bc-prompt-loss-weight must be >= 0"),
+        (a.bc_learning_rate > 0, "--bc-learning-rate must be > 0"),
+        (a.bc_batch_size >= 1, "--bc-batch-size must be >= 1"),
+        (len(a.eval_splits) >= 1, "--eval-splits needs at least one split"),
+        (all(s in envs.SPLITS[a.env] for s in a.eval_splits),
+         f"--eval-splits must be among {', '.join(envs.SPLITS[a.env])} for --env {a.env}"),
+        (a.eval_every >= 1, "--eval-every must be >= 1"),
+        (a.eval_num_tasks >= 0, "--eval-num-tasks must be >= 0 (0 = the whole split)"),
+        (a.eval_temperature >= 0, "--eval-temperature must be >= 0 (0 = greedy)"),
+        (a.save_every >= 1, "--save-every must be >= 1"),
+        (0 < a.vllm_gpu_memory_utilization <= 1,
+         "--vllm-gpu-memory-utilization must be in (0, 1]"),
+        (a.backend == "hf" or a.device.startswith("cuda"),
+         "--backend vllm needs a CUDA GPU; use --backend hf on CPU"),
+    ]
+    return [message for ok, message in rules if not ok]
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Command line -> Args. Defaults are the presets of the --model and --env given; with
+    --resume, the run's saved configuration, which flags on the command line may not contradict
+    (only --iterations may change, with a printed note)."""
+    import argparse
+
+    import tyro
+
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--model", default="tiny")
+    peek.add_argument("--env", default="household")
+    peek.add_argument("--resume", default=None)
+    known, _ = peek.parse_known_args(argv)
+    if known.resume is None:
+        env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
+        return tyro.cli(Args, args=argv, default=preset_args(known.model, env))
+    config_file = os.path.join(known.resume, "config.json")
+    if not os.path.isdir(known.resume):
+        raise UsageError(f"--resume {known.resume}: no such run directory")
+    if not os.path.isfile(config_file):
+        raise UsageError(f"--resume {known.resume}: no config.json in it (not a run directory of "
+                         "this script?)")
+    with open(config_file) as f:
+        saved = json.load(f)["args"]
+    unknown = sorted(set(saved) - {f.name for f in fields(Args)})
+    if unknown:
+        raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
+                         f"the script does not know: {', '.join(unknown)}")
+    saved = Args(**{**saved, "eval_splits": tuple(saved["eval_splits"])})
+    args = tyro.cli(Args, args=argv, default=saved)
+    changed = [f.name for f in fields(Args) if f.name not in ("resume", "iterations")
+               and getattr(args, f.name) != getattr(saved, f.name)]
+    if changed:
+        contradictions = [f"--{n.replace('_', '-')} {getattr(args, n)} "
+                          f"(saved: {getattr(saved, n)})" for n in changed]
+        raise UsageError("--resume continues the saved configuration; these flags contradict it: "
+                         + ", ".join(contradictions))
+    if args.iterations != saved.iterations:
+        print(f"note: --iterations {args.iterations} overrides the saved {saved.iterations}")
     return args
 
 
-# ---- 2. Prompts and action parsing ------------------------------------------------------------------
+# ---- 2. Prompts and action parsing --------------------------------------------------------------
 PROMPT_INTRO = "You are an agent in a household. Your task is to: {task}"
 PROMPT_HISTORY = "You have taken {steps} step(s). Your last {k} observation(s) and action(s):"
 PROMPT_NOW = "Step {step}. Current observation: {obs}\nAdmissible actions: {actions}"
-ASK_REASONING = ("First think step by step inside <think> </think>, then give exactly one admissible "
-                 "action inside <action> </action>.")
+ASK_REASONING = ("First think step by step inside <think> </think>, then give exactly one "
+                 "admissible action inside <action> </action>.")
 ASK_ACTION = "Reply with exactly one admissible action inside <action> </action>."
-PROMPT_WORDS = re.findall(r"[a-z]+", " ".join([PROMPT_INTRO, PROMPT_HISTORY, PROMPT_NOW, ASK_REASONING,
-                                               ASK_ACTION, "observation action"]).lower())
+PROMPT_WORDS = re.findall(r"[a-z]+", " ".join([PROMPT_INTRO, PROMPT_HISTORY, PROMPT_NOW,
+                                               ASK_REASONING, ASK_ACTION,
+                                               "observation action"]).lower())
 
 
-def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible: list[str], step: int,
-                 history_length: int, reasoning: bool) -> str:
+def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible: list[str],
+                 step: int, history_length: int, reasoning: bool) -> str:
     """The user message at one step: task, last `history_length` (obs, action) pairs, current
     observation and admissible actions (the GiGPO/ProxMO ALFWorld template, in our own words)."""
     lines = [PROMPT_INTRO.format(task=task)]
@@ -209,27 +329,44 @@ def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible
         lines.append(PROMPT_HISTORY.format(steps=len(history), k=len(recent)))
         first = len(history) - len(recent) + 1
         for k, (past_obs, past_action) in enumerate(recent):
-            lines.append(f"[observation {first + k}] {past_obs} [action {first + k}] {past_action}")
+            lines.append(f"[observation {first + k}] {past_obs} "
+                         f"[action {first + k}] {past_action}")
     lines.append(PROMPT_NOW.format(step=step, obs=obs, actions=", ".join(admissible)))
     lines.append(ASK_REASONING if reasoning else ASK_ACTION)
     return "\n".join(lines)
 
 
-_warned_truncation = False
+_warned_history_cut = False
 
 
-def encode_prompt(tokenizer, text: str, max_tokens: int) -> list[int]:
-    """Chat-formatted prompt ids. An over-long prompt keeps its last `max_tokens` tokens (the
-    current observation and admissible actions) and loses its start, with a warning."""
-    global _warned_truncation
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=False)
-    ids = tokenizer(chat, add_special_tokens=False).input_ids
-    if len(ids) > max_tokens and not _warned_truncation:
-        _warned_truncation = True
-        print(f"warning: a prompt of {len(ids)} tokens was cut to --max-prompt-tokens {max_tokens}; "
-              "raise it or lower --history-length", file=sys.stderr)
-    return ids[-max_tokens:]
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of `text` as the user turn of a chat, followed by the assistant's header."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer(chat, add_special_tokens=False).input_ids
+
+
+def encode_prompt(args: Args, tokenizer, task: str, history: list[tuple[str, str]], obs: str,
+                  admissible: list[str], step: int) -> list[int]:
+    """Prompt ids of one step, at most --max-prompt-tokens long. A prompt that is too long drops
+    its oldest history pairs first (with a warning, once); the chat header, the task, the current
+    observation and the admissible actions are never cut. Without any history still too long: a
+    UsageError naming the sizes and the flags to change."""
+    global _warned_history_cut
+    shown = min(args.history_length, len(history))
+    for k in range(shown, -1, -1):
+        text = build_prompt(task, history, obs, admissible, step, k, args.reasoning)
+        ids = chat_ids(tokenizer, text)
+        if len(ids) <= args.max_prompt_tokens:
+            if k < shown and not _warned_history_cut:
+                _warned_history_cut = True
+                print(f"warning: a prompt with {shown} history pair(s) exceeded "
+                      f"--max-prompt-tokens {args.max_prompt_tokens}; it keeps only the last {k} "
+                      "(raise --max-prompt-tokens or lower --history-length)", file=sys.stderr)
+            return ids
+    raise UsageError(f"a prompt of {len(ids)} tokens without any history (task, observation and "
+                     f"{len(admissible)} admissible actions) exceeds --max-prompt-tokens "
+                     f"{args.max_prompt_tokens}; raise --max-prompt-tokens")
 
 
 ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
@@ -257,7 +394,7 @@ def is_well_formed(response: str, reasoning: bool) -> bool:
     return not reasoning or THINK_RE.search(response) is not None
 
 
-# ---- 3. ProxMO advantages (pure functions, float64, no grad) -----------------------------------------
+# ---- 3. ProxMO advantages (pure functions, float64, no grad) ------------------------------------
 TOKEN_RE = re.compile(r"(?u)\b\w\w+\b")
 
 
@@ -286,7 +423,8 @@ def tfidf_vectors(texts: list[str], max_features: int = 1024) -> Tensor:
     terms = sorted(sorted(totals), key=lambda w: -totals[w])[:max_features]
     column = {w: j for j, w in enumerate(sorted(terms))}
     n = len(texts)
-    idf = torch.tensor([math.log((1 + n) / (1 + df[w])) + 1 for w in sorted(terms)], dtype=torch.float64)
+    idf = torch.tensor([math.log((1 + n) / (1 + df[w])) + 1 for w in sorted(terms)],
+                       dtype=torch.float64)
     vectors = torch.zeros(n, len(column), dtype=torch.float64)
     for i, d in enumerate(docs):
         for w, count in d.items():
@@ -303,8 +441,8 @@ def cosine_similarity(vectors: Tensor) -> Tensor:
 
 
 def group_zscore(values: Tensor, eps: float = 1e-6, use_std: bool = True) -> Tensor:
-    """(N,) -> (N,). All equal (N == 1 included) -> exact zeros; else (v - mean) / (sigma + eps) with
-    the population std (Eq. 5), or v - mean when use_std is False."""
+    """(N,) -> (N,). All equal (N == 1 included) -> exact zeros; else (v - mean) / (sigma + eps)
+    with the population std (Eq. 5), or v - mean when use_std is False."""
     values = values.to(torch.float64)
     if values.numel() == 0 or values.max() == values.min():
         return torch.zeros_like(values)
@@ -323,8 +461,8 @@ def psc_weights(success: Tensor, p: float, alpha: float = 4.0, beta: float = 0.1
                        torch.tensor(w_failure, dtype=torch.float64))
 
 
-def proxmo_episode_advantages(outcomes: Tensor, alpha: float = 4.0, beta: float = 0.1, eps: float = 1e-6,
-                              use_std: bool = True) -> Tensor:
+def proxmo_episode_advantages(outcomes: Tensor, alpha: float = 4.0, beta: float = 0.1,
+                              eps: float = 1e-6, use_std: bool = True) -> Tensor:
     """(N,) outcomes of one group -> (N,) modulated episode advantages, Eq. 7: z-score * w(R, p),
     success = outcome > 0.5, p = success rate. beta = 0 gives plain GRPO."""
     success = outcomes > 0.5
@@ -332,7 +470,8 @@ def proxmo_episode_advantages(outcomes: Tensor, alpha: float = 4.0, beta: float 
     return group_zscore(outcomes, eps, use_std) * psc_weights(success, p, alpha, beta)
 
 
-def proximity_baselines(returns: Tensor, sim: Tensor, temperature: float = 0.1) -> tuple[Tensor, Tensor]:
+def proximity_baselines(returns: Tensor, sim: Tensor,
+                        temperature: float = 0.1) -> tuple[Tensor, Tensor]:
     """returns (M,) and sim (M, M) of the steps of ONE group -> (weights (M, M), baselines (M,)).
 
     weights = row-softmax(sim / temperature) with the row max subtracted (Eq. 10; stable for tiny
@@ -342,34 +481,33 @@ def proximity_baselines(returns: Tensor, sim: Tensor, temperature: float = 0.1) 
     return weights, weights @ returns.to(torch.float64)
 
 
-def proxmo_step_advantages(returns: list[Tensor], sim: Tensor, temperature: float = 0.1) -> list[Tensor]:
+def proxmo_step_advantages(returns: list[Tensor], sim: Tensor,
+                           temperature: float = 0.1) -> list[Tensor]:
     """Eq. 11 on one group: returns[i] (T_i,) of trajectory i; sim (M, M) over the flattened steps
-    (trajectory-major, M = sum T_i) -> A^S = R - B split back into per-trajectory (T_i,) tensors."""
+    (trajectory-major, M = sum T_i) -> A^S = R - B split back into per-trajectory (T_i,)
+    tensors."""
     flat = torch.cat([r.to(torch.float64) for r in returns])
     _, baselines = proximity_baselines(flat, sim, temperature)
     return list(torch.split(flat - baselines, [len(r) for r in returns]))
 
 
-def proxmo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], sim: Tensor, *, alpha: float = 4.0,
-                            beta: float = 0.1, temperature: float = 0.1, gamma: float = 0.95,
-                            omega: float = 1.0, eps: float = 1e-6, use_std: bool = True,
-                            step_penalties: list[Tensor] | None = None) -> list[Tensor]:
+def proxmo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], sim: Tensor, *,
+                            alpha: float = 4.0, beta: float = 0.1, temperature: float = 0.1,
+                            gamma: float = 0.95, omega: float = 1.0, eps: float = 1e-6,
+                            use_std: bool = True) -> list[Tensor]:
     """Eq. 12 for one group of N trajectories: A[i][t] = A~E[i] + omega * A^S[i][t].
 
     outcomes (N,) in {0, 1}; step_rewards[i] (T_i,); sim (M, M) over the group's flattened steps.
-    step_penalties[i] (T_i,), if given, are subtracted from the discounted returns before the
-    baselines. Returns N tensors of shape (T_i,)."""
+    Returns N tensors of shape (T_i,)."""
     returns = [discounted_returns(r, gamma) for r in step_rewards]
-    if step_penalties is not None:
-        returns = [r - p.to(torch.float64) for r, p in zip(returns, step_penalties)]
     episode = proxmo_episode_advantages(outcomes, alpha, beta, eps, use_std)
     step = proxmo_step_advantages(returns, sim, temperature)
     return [episode[i] + omega * step[i] for i in range(len(step_rewards))]
 
 
-def proxmo_batch_advantages(outcomes: list[float], step_rewards: list[Tensor], states: list[list[str]],
-                            group_ids: list, max_features: int = 1024,
-                            step_penalties: list[Tensor] | None = None, **hp) -> list[Tensor]:
+def proxmo_batch_advantages(outcomes: list[float], step_rewards: list[Tensor],
+                            states: list[list[str]], group_ids: list, max_features: int = 1024,
+                            **hp) -> list[Tensor]:
     """A whole batch: TF-IDF is fitted once on ALL anchor texts of the batch (as in the release);
     similarities and baselines stay inside each group. Output aligned with the input order.
     hp: alpha, beta, temperature, gamma, omega, eps, use_std of proxmo_group_advantages."""
@@ -382,15 +520,14 @@ def proxmo_batch_advantages(outcomes: list[float], step_rewards: list[Tensor], s
     for idx in members.values():
         rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in idx])
         sim = cosine_similarity(vectors[rows])
-        penalties = [step_penalties[i] for i in idx] if step_penalties is not None else None
-        advs = proxmo_group_advantages(torch.tensor([outcomes[i] for i in idx], dtype=torch.float64),
-                                       [step_rewards[i] for i in idx], sim, step_penalties=penalties, **hp)
+        group_outcomes = torch.tensor([outcomes[i] for i in idx], dtype=torch.float64)
+        advs = proxmo_group_advantages(group_outcomes, [step_rewards[i] for i in idx], sim, **hp)
         for i, a in zip(idx, advs):
             out[i] = a
     return out
 
 
-# ---- 4. Baselines ProxMO reduces to: GRPO and GiGPO ------------------------------------------------------
+# ---- 4. Baselines ProxMO reduces to: GRPO and GiGPO ---------------------------------------------
 def grpo_advantages(outcomes: Tensor, eps: float = 1e-6, use_std: bool = True) -> Tensor:
     """(N,) -> (N,) GRPO episode advantage (Eq. 5); the same value is used for every step."""
     return group_zscore(outcomes, eps, use_std)
@@ -414,75 +551,95 @@ def gigpo_step_advantages(returns: list[Tensor], states: list[list[str]], eps: f
 
 def gigpo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], states: list[list[str]],
                            gamma: float = 0.95, omega: float = 1.0, eps: float = 1e-6,
-                           use_std: bool = True, step_penalties: list[Tensor] | None = None) -> list[Tensor]:
-    """GiGPO (its Eq. 8): A[i][t] = grpo_advantages[i] + omega * gigpo_step_advantages[i][t].
-    step_penalties as in proxmo_group_advantages: subtracted from the discounted returns."""
+                           use_std: bool = True) -> list[Tensor]:
+    """GiGPO (its Eq. 8): A[i][t] = grpo_advantages[i] + omega * gigpo_step_advantages[i][t]."""
     returns = [discounted_returns(r, gamma) for r in step_rewards]
-    if step_penalties is not None:
-        returns = [r - p.to(torch.float64) for r, p in zip(returns, step_penalties)]
     episode = grpo_advantages(outcomes, eps, use_std)
     step = gigpo_step_advantages(returns, states, eps, use_std)
     return [episode[i] + omega * step[i] for i in range(len(step_rewards))]
 
 
 def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
-    """Per-step advantages of every trajectory of a batch with the chosen estimator."""
+    """Per-step advantages (T_i,) of every trajectory of a batch with the chosen estimator, then
+    the one penalty rule of every estimator: --invalid-action-penalty is subtracted from the final
+    advantage of each malformed reply, after every normalisation and baseline, so that it moves
+    that step's advantage by exactly the penalty and nothing else."""
     outcomes = [float(t["won"]) for t in trajectories]
     rewards = [torch.tensor(t["rewards"], dtype=torch.float64) for t in trajectories]
     states = [[s["state"] for s in t["steps"]] for t in trajectories]
-    penalties = [torch.tensor([args.invalid_action_penalty * (not s["well_formed"]) for s in t["steps"]],
-                              dtype=torch.float64) for t in trajectories]
     groups = [t["group"] for t in trajectories]
     if args.advantage == "proxmo":
-        return proxmo_batch_advantages(outcomes, rewards, states, groups, max_features=args.tfidf_max_features,
-                                       step_penalties=penalties, alpha=args.psc_alpha, beta=args.psc_beta,
-                                       temperature=args.proximity_temperature, gamma=args.gamma,
-                                       omega=args.step_weight, use_std=args.use_std)
-    out: list[Tensor] = [torch.empty(0)] * len(trajectories)
-    members: dict = defaultdict(list)
-    for i, g in enumerate(groups):
-        members[g].append(i)
-    for idx in members.values():
-        group_outcomes = torch.tensor([outcomes[i] for i in idx], dtype=torch.float64)
-        if args.advantage == "grpo":
-            episode = grpo_advantages(group_outcomes, use_std=args.use_std)
-            advs = [episode[k].expand(len(rewards[i])) - penalties[i] for k, i in enumerate(idx)]
-        else:
-            advs = gigpo_group_advantages(group_outcomes, [rewards[i] for i in idx], [states[i] for i in idx],
-                                          gamma=args.gamma, omega=args.step_weight, use_std=args.use_std,
-                                          step_penalties=[penalties[i] for i in idx])
-        for i, a in zip(idx, advs):
-            out[i] = a
-    return out
+        advantages = proxmo_batch_advantages(
+            outcomes, rewards, states, groups, max_features=args.tfidf_max_features,
+            alpha=args.psc_alpha, beta=args.psc_beta, temperature=args.proximity_temperature,
+            gamma=args.gamma, omega=args.step_weight, use_std=args.use_std)
+    else:
+        advantages = [torch.empty(0)] * len(trajectories)
+        members: dict = defaultdict(list)
+        for i, g in enumerate(groups):
+            members[g].append(i)
+        for idx in members.values():
+            group_outcomes = torch.tensor([outcomes[i] for i in idx], dtype=torch.float64)
+            if args.advantage == "grpo":
+                episode = grpo_advantages(group_outcomes, use_std=args.use_std)
+                advs = [episode[k].expand(len(rewards[i])) for k, i in enumerate(idx)]
+            else:
+                advs = gigpo_group_advantages(group_outcomes, [rewards[i] for i in idx],
+                                              [states[i] for i in idx], gamma=args.gamma,
+                                              omega=args.step_weight, use_std=args.use_std)
+            for i, a in zip(idx, advs):
+                advantages[i] = a
+    malformed = [torch.tensor([not s["well_formed"] for s in t["steps"]], dtype=torch.float64)
+                 for t in trajectories]
+    return [a - args.invalid_action_penalty * m for a, m in zip(advantages, malformed)]
 
 
-# ---- 5. Policy loss (Eq. 13) ------------------------------------------------------------------------------
-def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: Tensor, mask: Tensor,
-                  clip_eps: float = 0.2, kl_coef: float = 0.01, entropy: Tensor | None = None,
-                  entropy_coef: float = 0.0) -> Tensor:
-    """Token-level clipped surrogate + k3 KL to the reference - entropy bonus, token-mean over mask.
+# ---- 5. Policy loss (Eq. 13) --------------------------------------------------------------------
+def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
+    exponential, like k3_kl)."""
+    return torch.exp(torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp)))
+
+
+def k3_kl(ref_logp: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
+    """(B, L) -> (B, L) k3 estimate of KL(pi || ref) per token, exp(d) - d - 1 with d = ref - logp
+    ("low_var_kl", clamped to [-10, 10]); 0 at masked positions. The difference is masked before
+    the exponential: a padded position must not overflow to inf, whose gradient is NaN even
+    behind a zero mask."""
+    log_ratio = torch.where(mask.bool(), ref_logp - logp, torch.zeros_like(logp))
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10)
+
+
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: Tensor,
+                  mask: Tensor, clip_eps: float = 0.2, kl_coef: float = 0.01,
+                  entropy: Tensor | None = None, entropy_coef: float = 0.0,
+                  clip_ratio_c: float | None = None) -> Tensor:
+    """Token-level clipped surrogate (Eq. 13) + k3 KL to the reference - entropy bonus,
+    token-mean over mask.
 
     logp, old_logp, ref_logp, mask (and entropy): (B, L); advantages: (B,) one value per step,
-    used for every token of its response, or (B, L)."""
+    used for every token of its response, or (B, L). Values at masked positions never matter.
+    clip_ratio_c: dual clip, the loss of a token with A < 0 is at most -c * A."""
     if advantages.dim() == 1:
         advantages = advantages[:, None]
-    ratio = torch.exp(logp - old_logp)
-    surrogate = torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
-    log_ratio_ref = ref_logp - logp
-    kl = (torch.exp(log_ratio_ref) - log_ratio_ref - 1).clamp(-10, 10)  # k3 ("low_var_kl")
-    per_token = -surrogate + kl_coef * kl
+    ratio = policy_ratio(logp, old_logp, mask)
+    pg_loss = -torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    if clip_ratio_c is not None:
+        bounded = torch.min(pg_loss, -clip_ratio_c * advantages)
+        pg_loss = torch.where(advantages < 0, bounded, pg_loss)
+    per_token = pg_loss + kl_coef * k3_kl(ref_logp, logp, mask)
     if entropy is not None and entropy_coef:
         per_token = per_token - entropy_coef * entropy
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
-# ---- 6. Rollouts -----------------------------------------------------------------------------------------
+# ---- 6. Rollouts --------------------------------------------------------------------------------
 class Policy:
     """What a rollout needs to act: the model, its tokenizer and the chosen generation backend."""
 
     def __init__(self, args: Args, model, tokenizer, engine=None):
         self.args, self.model, self.tokenizer, self.engine = args, model, tokenizer, engine
-        self.eos_ids = [tokenizer.eos_token_id]
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.adapter_path, self.adapter_version = "", 0
 
     def sync(self, run_path: str) -> None:
@@ -497,38 +654,37 @@ class Policy:
         if self.engine is not None:
             return vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
                                  adapter_version=self.adapter_version, eos_ids=self.eos_ids,
-                                 max_new_tokens=a.max_new_tokens, temperature=temperature, top_p=a.top_p)
-        return hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id, eos_ids=self.eos_ids,
-                           max_new_tokens=a.max_new_tokens, temperature=temperature, top_p=a.top_p,
+                                 max_new_tokens=a.max_new_tokens, temperature=temperature,
+                                 top_p=a.top_p)
+        return hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
+                           eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
+                           temperature=temperature, top_p=a.top_p,
                            batch_size=max(a.micro_batch_size, 64))
 
 
-def rollout(args: Args, policy: Policy | None, tasks: list, group_ids: list, temperature: float,
-            expert_rng: random.Random | None = None) -> list[dict]:
+def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
+            temperature: float, expert_rng: random.Random | None = None) -> list[dict]:
     """Play one game per task in lock-step until all finish.
 
-    With expert_rng given, the env's expert acts instead of the policy (behavior-cloning data):
-    each step records the expert's action as "label", but with probability args.bc_noise a mistake
-    is executed instead (see _perturb), and the prompt is kept as text.
+    With expert_rng given (and policy None), the env's expert acts instead of the policy
+    (behavior-cloning data): each step records the expert's action as "label", but with
+    probability args.bc_noise a mistake is executed instead (see _perturb).
 
-    Each trajectory: {"task_type", "group", "won", "rewards": [r_t], "steps": [{"prompt" (token ids,
-    or text for expert rollouts), "response_ids", "state" (raw observation = anchor text), "action"
-    (executed), "valid" (admissible, from the env), "well_formed" (see is_well_formed), "label"}]}."""
-    games = [envs.make_game(args.env, t, args.max_episode_steps) for t in tasks]
+    Each trajectory: {"task_type", "group", "won", "rewards": [r_t], "steps": [{"prompt" (token
+    ids), "response_ids", "state" (raw observation = anchor text), "action" (executed), "valid"
+    (admissible, from the env), "well_formed" (see is_well_formed), "label"}]}."""
+    expert = expert_rng is not None
+    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert) for t in tasks]
     batch = EnvBatch(games)
     batch.reset()
-    trajs = [{"task_type": g.task_type, "group": gid, "won": False, "rewards": [], "steps": [], "history": []}
-             for g, gid in zip(games, group_ids)]
-    expert = expert_rng is not None
-    tokenizer = None if expert else policy.tokenizer
+    trajs = [{"task_type": g.task_type, "group": gid, "won": False, "rewards": [], "steps": [],
+              "history": []} for g, gid in zip(games, group_ids)]
     while batch.active():
         active = batch.active()
-        prompts = []
-        for i in active:
-            g, tr = games[i], trajs[i]
-            text = build_prompt(g.task_description, tr["history"], batch.observations[i], g.admissible_actions(),
-                                len(tr["steps"]) + 1, args.history_length, args.reasoning)
-            prompts.append(encode_prompt(tokenizer, text, args.max_prompt_tokens) if tokenizer else text)
+        prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
+                                 batch.observations[i], games[i].admissible_actions(),
+                                 len(trajs[i]["steps"]) + 1)
+                   for i in active]
         if expert:
             responses = [None] * len(active)
             labels = [games[i].expert_action() for i in active]
@@ -548,9 +704,10 @@ def rollout(args: Args, policy: Policy | None, tasks: list, group_ids: list, tem
         for k, i in enumerate(active):
             obs, reward, done, info = results[i]
             tr = trajs[i]
-            tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k], "state": states[i],
-                                "action": commands[k], "valid": bool(info["valid"]),
-                                "well_formed": well_formed[k], "label": labels[k]})
+            tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
+                                "state": states[i], "action": commands[k],
+                                "valid": bool(info["valid"]), "well_formed": well_formed[k],
+                                "label": labels[k]})
             tr["rewards"].append(reward)
             tr["history"].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
@@ -560,9 +717,9 @@ def rollout(args: Args, policy: Policy | None, tasks: list, group_ids: list, tem
 
 
 def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
-    """The command a noisy expert executes: its own with probability 1 - noise; else, half the time,
-    the previous command again (the typical mistake, usually answered "Nothing happens."), and
-    otherwise a random admissible one."""
+    """The command a noisy expert executes: its own with probability 1 - noise; else, half the
+    time, the previous command again (the typical mistake, usually answered "Nothing happens."),
+    and otherwise a random admissible one."""
     if rng.random() >= noise:
         return label
     if history and rng.random() < 0.5:
@@ -570,7 +727,7 @@ def _perturb(game, history: list, label: str, noise: float, rng: random.Random) 
     return rng.choice(game.admissible_actions())
 
 
-# ---- 7. Behavior cloning on expert trajectories -----------------------------------------------------------
+# ---- 7. Behavior cloning on expert trajectories -------------------------------------------------
 def expert_response(action: str, reasoning: bool) -> str:
     return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
             else f"<action>{action}</action>")
@@ -594,9 +751,12 @@ def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id:
         t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
                    use_cache=False).logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
-    valid = (attention[:, 1:] * attention[:, :-1]).float()  # (B, L-1): target and its context are real
-    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are nll[:, P-1:].
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
+                                            reduction="none")
+    # (B, L-1): the target and its context are real tokens
+    valid = (attention[:, 1:] * attention[:, :-1]).float()
+    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
+    # nll[:, P-1:].
     split = input_ids.shape[1] - response_mask.shape[1] - 1
     response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
     prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
@@ -609,23 +769,24 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     that require grad (a LoRA adapter, or all of them) in place."""
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
-    demos = rollout(args, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
+    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
     samples = []
     for tr in demos:
         for s in tr["steps"]:
-            prompt = encode_prompt(tokenizer, s["prompt"], args.max_prompt_tokens)
-            response = tokenizer(expert_response(s["label"], args.reasoning), add_special_tokens=False).input_ids
-            samples.append((prompt, response + [tokenizer.eos_token_id]))
+            response = tokenizer(expert_response(s["label"], args.reasoning),
+                                 add_special_tokens=False).input_ids
+            samples.append((s["prompt"], response + [tokenizer.eos_token_id]))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
     window = 16 * args.bc_batch_size
-    total_steps = args.bc_epochs * sum(math.ceil(min(window, len(samples) - w) / args.bc_batch_size)
-                                       for w in range(0, len(samples), window))
+    batches_per_epoch = sum(math.ceil(min(window, len(samples) - w) / args.bc_batch_size)
+                            for w in range(0, len(samples), window))
+    total_steps = args.bc_epochs * batches_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(total_steps, 1))
     print(f"behavior cloning: {len(demos)} expert trajectories, {len(samples)} steps, "
           f"{args.bc_epochs} epochs, {total_steps} updates")
     model.train()
-    progress = _progress(total_steps, "bc")
+    progress = Progress(total_steps, "bc")
     loss_value = float("nan")
     lengths = [len(p) + len(r) for p, r in samples]
     for _ in range(args.bc_epochs):
@@ -642,23 +803,26 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
                                           tokenizer.pad_token_id, args.bc_prompt_loss_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            check_finite(f"behavior cloning, update {progress.count + 1}", loss=loss.item(),
+                         grad_norm=grad_norm.item())
             optimizer.step()
             scheduler.step()
             loss_value = response_loss.item()
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+            progress.update(1, loss=loss_value)
     progress.close()
     return {"bc/loss": loss_value, "bc/steps": len(samples),
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
-# ---- 8. Evaluation -----------------------------------------------------------------------------------------
+# ---- 8. Evaluation ------------------------------------------------------------------------------
 def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
-    """Success rate overall and per task type, and grounding accuracy (share of admissible actions)."""
+    """Success rate overall and per task type, and grounding accuracy (share of admissible
+    actions)."""
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
-        trajs = rollout(args, policy, tasks, list(range(len(tasks))), args.eval_temperature)
+        trajs = rollout(args, policy.tokenizer, policy, tasks, list(range(len(tasks))),
+                        args.eval_temperature)
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:
         by_type[t["task_type"]].append(t["won"])
@@ -671,10 +835,14 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     return stats
 
 
-# ---- 9. Training loop ---------------------------------------------------------------------------------------
-def _progress(total: int, desc: str):
-    # Also shown when stdout is a log file, at most every few seconds.
-    return tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stdout, mininterval=3.0)
+# ---- 9. Training loop ---------------------------------------------------------------------------
+def check_finite(where: str, **values: float) -> None:
+    """Stop the run, before the optimizer step, when a loss or gradient norm is NaN or inf."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        found = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise FloatingPointError(f"{where}: non-finite {found}; stopped before the optimizer "
+                                 "step, the weights are unchanged")
 
 
 def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
@@ -684,11 +852,18 @@ def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> l
     return [ordered[k:k + size] for k in range(0, len(ordered), size)]
 
 
-def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple], generator: torch.Generator) -> dict:
+def pad_rows(rows: list[Tensor], length: int) -> Tensor:
+    """Stack 1-D tensors right-padded with 0 to `length` -> (len(rows), length). The padded
+    values never count: every loss and metric masks them before use."""
+    return torch.stack([torch.nn.functional.pad(r, (0, length - len(r))) for r in rows])
+
+
+def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
+                  generator: torch.Generator, iteration: int) -> dict:
     """PPO over the step samples (prompt_ids, response_ids, advantage): old and reference log-probs
     first, then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
-    temperature = args.rollout_temperature  # the policy that sampled: softmax(logits / temperature)
+    temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
     lengths = [len(p) + len(r) for p, r, _ in samples]
 
@@ -698,7 +873,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
             for idx in length_sorted_chunks(list(range(len(samples))), lengths, mb):
                 prompts, responses = [samples[i][0] for i in idx], [samples[i][1] for i in idx]
                 with model.disable_adapter() if reference else contextlib.nullcontext():
-                    lp, _, _ = response_logprobs(model, prompts, responses, pad, temperature=temperature)
+                    lp, _, _ = response_logprobs(model, prompts, responses, pad,
+                                                 temperature=temperature)
                 for row, i in zip(lp, idx):
                     out[i] = row[:len(samples[i][1])]
         return out
@@ -710,75 +886,128 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
-    for _ in range(args.ppo_epochs):
+    for epoch in range(args.ppo_epochs):
         order = torch.randperm(len(samples), generator=generator).tolist()
         for start in range(0, len(order), args.minibatch_size):
             mini = order[start:start + args.minibatch_size]
             n_tokens = sum(len(samples[i][1]) for i in mini)
             optimizer.zero_grad(set_to_none=True)
-            # The gradient of a mini-batch is a sum over its samples: micro-batches may go in any order.
+            minibatch_loss = 0.0
+            # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
             for idx in length_sorted_chunks(mini, lengths, mb):
-                logp, mask, entropy = response_logprobs(model, [samples[i][0] for i in idx],
-                                                        [samples[i][1] for i in idx], pad,
-                                                        with_entropy=args.entropy_coef > 0, temperature=temperature)
-                L = logp.shape[1]
-                pad_to = lambda rows: torch.stack([torch.nn.functional.pad(r, (0, L - len(r))) for r in rows]).to(device)
-                old, ref = pad_to([old_logp[i] for i in idx]), pad_to([ref_logp[i] for i in idx])
-                adv = torch.tensor([samples[i][2] for i in idx], dtype=torch.float32, device=device)
+                logp, mask, entropy = response_logprobs(
+                    model, [samples[i][0] for i in idx], [samples[i][1] for i in idx], pad,
+                    with_entropy=args.entropy_coef > 0, temperature=temperature)
                 mask = mask.to(device)
-                loss = ppo_clip_loss(logp, old, ref, adv, mask, args.clip_eps, args.kl_coef, entropy, args.entropy_coef)
-                (loss * mask.sum() / n_tokens).backward()  # token-mean over the whole mini-batch
+                old = pad_rows([old_logp[i] for i in idx], logp.shape[1]).to(device)
+                ref = pad_rows([ref_logp[i] for i in idx], logp.shape[1]).to(device)
+                adv = torch.tensor([samples[i][2] for i in idx], dtype=torch.float32,
+                                   device=device)
+                loss = ppo_clip_loss(logp, old, ref, adv, mask, args.clip_eps, args.kl_coef,
+                                     entropy, args.entropy_coef, args.clip_ratio_c)
+                share = loss * mask.sum() / n_tokens  # token-mean over the whole mini-batch
+                share.backward()
+                minibatch_loss += share.item()
                 with torch.no_grad():
-                    ratio = torch.exp(logp - old)
-                    stats["clip_fraction"].append((((ratio - 1).abs() > args.clip_eps).float() * mask).sum().item() / mask.sum().item())
+                    ratio = policy_ratio(logp, old, mask)
+                    clipped = ((ratio - 1).abs() > args.clip_eps).float()
+                    stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
                     if args.kl_coef > 0:  # else `ref` is the rollout policy, not the reference
-                        stats["kl_ref"].append((((torch.exp(ref - logp) - (ref - logp) - 1) * mask).sum() / mask.sum()).item())
-                    stats["loss"].append(loss.item())
-            stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)))
+                        kl = (k3_kl(ref, logp, mask) * mask).sum() / mask.sum()
+                        stats["kl_ref"].append(kl.item())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+            check_finite(f"iteration {iteration}, PPO epoch {epoch + 1}, mini-batch at {start}",
+                         loss=minibatch_loss, grad_norm=grad_norm)
+            stats["loss"].append(minibatch_loss)
+            stats["grad_norm"].append(grad_norm)
             optimizer.step()
     return {f"train/{k}": float(np.mean(v)) for k, v in stats.items()}
 
 
+def save_checkpoint(path: str, model, base_model: str, args: Args, iteration: int,
+                    trainer_state: dict) -> None:
+    """The LoRA adapter (its config naming the base model), a model card saying how to load it,
+    and trainer_state.pt (optimizer, iteration, every random stream) for --resume."""
+    model.peft_config["default"].base_model_name_or_path = base_model
+    model.save_pretrained(path)
+    with open(os.path.join(path, "README.md"), "w") as f:  # replaces PEFT's empty model card
+        f.write(f"""---
+base_model: {base_model}
+library_name: peft
+---
+# LoRA adapter trained by proxmo.py
+
+--advantage {args.advantage}, --env {args.env}, iteration {iteration} of {args.iterations},
+seed {args.seed}. The run's configuration is in ../config.json. To load the policy:
+
+```python
+from common.model import load_lora, load_model_and_tokenizer  # this repository's common/
+model, tokenizer = load_model_and_tokenizer("{base_model}")
+policy = load_lora(model, "{os.path.abspath(path)}")
+```
+""")
+    torch.save(trainer_state, os.path.join(path, "trainer_state.pt"))
+
+
 def main(args: Args) -> dict:
-    args = resolve_presets(args)
+    errors = validate_args(args)
+    if errors:
+        raise UsageError("\n".join(errors))
+    if args.group_size == 1:
+        print("warning: --group-size 1: every episode advantage is 0 (a group of one has no "
+              "baseline); only step advantages remain", file=sys.stderr)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
 
-    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
-    if args.resume and not os.path.isfile(os.path.join(args.resume, "checkpoint", "trainer_state.pt")):
+    checkpoint_state = os.path.join(args.resume or "", "checkpoint", "trainer_state.pt")
+    if args.resume and not os.path.isfile(checkpoint_state):
         raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
-    run_path = args.resume or os.path.join(args.run_dir, run_name)
-    os.makedirs(run_path, exist_ok=True)
+    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
+    if args.tasks_per_iteration > len(train_tasks):
+        raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
+                         f"{len(train_tasks)} training tasks")
+    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
+                  for split in args.eval_splits}
+    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny" else None
     print(json.dumps(asdict(args), indent=1))
 
-    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
-    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
-                  for split in envs.EVAL_SPLITS[args.env]}
-    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny" else None
+    # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
+    # then the LoRA adapter trained by RL.
+    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    base_path = os.path.join(run_path, "base_model")
+    resumed_base = args.resume and os.path.isdir(base_path)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model, tokenizer = load_model_and_tokenizer(base_path if resumed_base else args.model,
+                                                vocabulary=vocab, seed=args.seed, dtype=dtype,
+                                                device=args.device)
+    # Only now the run directory: a run stopped by bad input leaves nothing behind.
+    os.makedirs(run_path, exist_ok=True)
+    if not args.resume:
+        with open(os.path.join(run_path, "config.json"), "w") as f:
+            command = shlex.join([sys.executable, *sys.argv])
+            json.dump({"command": command, "args": asdict(args)}, f, indent=1)
 
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(run_path)
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project, name=run_name, config=asdict(args), dir=run_path)
+        wandb.init(project=args.wandb_project, name=os.path.basename(run_path),
+                   config=asdict(args), dir=run_path, sync_tensorboard=True)
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(run_path)
+    writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
+        f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
 
     def log(stats: dict, step: int) -> None:
         for k, v in stats.items():
             writer.add_scalar(k, v, step)
-        if args.track:
-            wandb.log(stats, step=step)
 
-    # Model: base (or the merged behavior-cloned model of this run), then the LoRA adapter trained by RL.
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    bc_path = os.path.join(run_path, "bc_model")
-    resumed_bc = args.resume and os.path.isdir(bc_path)
-    model, tokenizer = load_model_and_tokenizer(bc_path if resumed_bc else args.model, vocabulary=vocab,
-                                                seed=args.seed, dtype=dtype, device=args.device)
-    targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+    targets = args.lora_target_modules
+    if targets != "all-linear":
+        targets = targets.split(",")
     history: dict = {}
     if args.bc_epochs > 0 and not args.resume:
         if not args.bc_full_params:
@@ -789,10 +1018,17 @@ def main(args: Args) -> dict:
         if not args.bc_full_params:
             model = merge_lora(model)
         model.requires_grad_(False)
-        model.save_pretrained(bc_path)
-        tokenizer.save_pretrained(bc_path)
-        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s (final loss {stats['bc/loss']:.3f})")
+        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
+              f"(final loss {stats['bc/loss']:.3f})")
         log(stats, 0)
+    if (args.bc_epochs > 0 or args.model == "tiny") and not args.resume:
+        # The model RL starts from exists nowhere else: keep it beside the adapter.
+        model.save_pretrained(base_path)
+        tokenizer.save_pretrained(base_path)
+    if os.path.isdir(base_path):
+        base_model = os.path.abspath(base_path)
+    else:
+        base_model = resolve_model_name(args.model)[0]
     checkpoint = os.path.join(run_path, "checkpoint")
     if args.resume:
         model = load_lora(model, checkpoint)
@@ -802,23 +1038,33 @@ def main(args: Args) -> dict:
 
     engine = None
     if args.backend == "vllm":
-        base_path = bc_path if os.path.isdir(bc_path) else resolve_model_name(args.model)[0]
-        engine = make_vllm_engine(base_path, max_lora_rank=args.lora_r, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                                  max_model_len=args.max_prompt_tokens + args.max_new_tokens, seed=args.seed)
+        engine = make_vllm_engine(base_model, max_lora_rank=args.lora_r,
+                                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                                  max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+                                  seed=args.seed)
     policy = Policy(args, model, tokenizer, engine)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.learning_rate, weight_decay=args.weight_decay)
     generator = torch.Generator().manual_seed(args.seed)
     task_rng = random.Random(args.seed)
     start_iteration = 0
     if args.resume:
-        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        state = torch.load(checkpoint_state, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
         task_rng.setstate(state["task_rng"])
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
         torch.set_rng_state(state["torch_rng"])
+        if torch.cuda.is_available() and state["cuda_rng"]:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
         start_iteration, history = state["iteration"], state["history"]
+        if start_iteration >= args.iterations:
+            raise UsageError(f"--resume {args.resume}: the run already did {start_iteration} "
+                             "iterations; pass a larger --iterations to continue it")
         print(f"resumed from {checkpoint} at iteration {start_iteration}")
+
+    progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
 
     def run_eval(iteration: int) -> None:
         policy.sync(run_path)
@@ -827,29 +1073,30 @@ def main(args: Args) -> dict:
             stats = evaluate(args, policy, split, tasks)
             log(stats, iteration)
             history.setdefault(iteration, {}).update(stats)
-            per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}" for k, v in stats.items() if "/success_" in k)
-            tqdm.write(f"[eval {split} @ iter {iteration}] success {stats[f'eval_{split}/success']:.3f} "
-                       f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) [{time.time() - t0:.0f}s]",
-                       file=sys.stdout)
+            per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}"
+                                for k, v in stats.items() if "/success_" in k)
+            progress.write(f"[eval {split} @ iter {iteration}] "
+                           f"success {stats[f'eval_{split}/success']:.3f} "
+                           f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) "
+                           f"[{time.time() - t0:.0f}s]")
 
     if start_iteration == 0:
         run_eval(0)
-    progress = _progress(args.iterations, "rl")
-    progress.update(start_iteration)
     for iteration in range(start_iteration + 1, args.iterations + 1):
         t0 = time.time()
         # (1) B tasks x N copies, (2) lock-step rollouts, (3) 0/1 outcomes.
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         policy.sync(run_path)
-        trajs = rollout(args, policy, [t for t in batch_tasks for _ in range(args.group_size)],
-                        [g for g in range(len(batch_tasks)) for _ in range(args.group_size)], args.rollout_temperature)
+        tasks = [t for t in batch_tasks for _ in range(args.group_size)]
+        groups = [g for g in range(len(batch_tasks)) for _ in range(args.group_size)]
+        trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
         rollout_seconds = time.time() - t0
         # (4) advantages, one scalar per step.
         advantages = compute_advantages(args, trajs)
         samples = [(s["prompt"], s["response_ids"], float(a))
                    for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
         # (5, 6) old / reference log-probs and the clipped policy-gradient update.
-        stats = policy_update(args, model, tokenizer, optimizer, samples, generator)
+        stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
         n_tokens = sum(len(s[1]) for s in samples)
         steps = [s for tr in trajs for s in tr["steps"]]
         stats.update({"rollout/success": float(np.mean([t["won"] for t in trajs])),
@@ -858,39 +1105,47 @@ def main(args: Args) -> dict:
                       "rollout/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
                       "rollout/step_samples": len(samples),
                       "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
-                      "time/rollout_seconds": rollout_seconds, "time/iteration_seconds": time.time() - t0,
+                      "time/rollout_seconds": rollout_seconds,
+                      "time/iteration_seconds": time.time() - t0,
                       "train/advantage_abs_mean": float(np.mean([abs(s[2]) for s in samples]))})
         log(stats, iteration)
-        progress.update(1)
-        progress.set_postfix(success=f"{stats['rollout/success']:.2f}", ground=f"{stats['rollout/grounding']:.2f}",
-                             kl=f"{stats.get('train/kl_ref', float('nan')):.4f}", rollout_s=f"{rollout_seconds:.0f}",
-                             iter_s=f"{stats['time/iteration_seconds']:.0f}", refresh=False)
+        progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
+                        kl=stats.get("train/kl_ref", float("nan")),
+                        rollout_s=round(rollout_seconds),
+                        iter_s=round(stats["time/iteration_seconds"]))
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)
         if iteration % args.save_every == 0 or iteration == args.iterations:
-            model.save_pretrained(checkpoint)
-            torch.save({"optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                        "task_rng": task_rng.getstate(), "torch_rng": torch.get_rng_state(),
-                        "iteration": iteration, "history": history}, os.path.join(checkpoint, "trainer_state.pt"))
+            cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+            save_checkpoint(checkpoint, model, base_model, args, iteration, {
+                "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                "task_rng": task_rng.getstate(), "python_rng": random.getstate(),
+                "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": cuda_rng, "iteration": iteration, "history": history})
     progress.close()
     writer.close()
     if args.track:
         wandb.finish()
-    first_split = envs.EVAL_SPLITS[args.env][0]
-    key = f"eval_{first_split}/success"
-    summary = {"start_success": history.get(0, {}).get(key), "final_success": history[max(history)][key],
-               "best_success": max(h[key] for h in history.values() if key in h), "run_path": run_path}
-    start = "n/a (resumed)" if summary["start_success"] is None else f"{summary['start_success']:.3f}"
-    print(f"done: {first_split} success {start} (start) -> {summary['final_success']:.3f} (final), "
-          f"best {summary['best_success']:.3f}; logs and checkpoint in {run_path}")
+    headline = args.eval_splits[0]
+    key = f"eval_{headline}/success"
+    summary = {"start_success": history.get(0, {}).get(key),
+               "final_success": history[max(history)][key],
+               "best_success": max(h[key] for h in history.values() if key in h),
+               "run_path": run_path}
+    start = summary["start_success"]
+    start = "n/a (resumed)" if start is None else f"{start:.3f}"
+    print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} (final), "
+          f"best {summary['best_success']:.3f}; logs and checkpoint in {run_path} "
+          f"(tensorboard --logdir {args.run_dir})")
     return summary
 
 
 if __name__ == "__main__":
-    import tyro
-
     try:
-        main(tyro.cli(Args))
+        main(parse_args(sys.argv[1:]))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from proxmo import (Args, compute_advantages, cosine_similarity, discounted_returns, gigpo_group_advantages,
-                    gigpo_step_advantages, grpo_advantages, group_zscore, ppo_clip_loss, proximity_baselines,
+                    gigpo_step_advantages, grpo_advantages, group_zscore, k3_kl, ppo_clip_loss, proximity_baselines,
                     proxmo_batch_advantages, proxmo_episode_advantages, proxmo_group_advantages,
                     proxmo_step_advantages, psc_weights, tfidf_vectors)
 
@@ -245,39 +245,54 @@ def test_hand_example_two_trajectories():
     check_all(advs, [[1.356577, 2.012887], [-1.643419, -1.463402]])
 
 
-def test_step_penalties_are_subtracted_from_returns():
-    sim = group_sim([[S0, CA], [S0, CAB]])
-    rewards = [torch.tensor([0.0, 1.0]), torch.zeros(2)]
-    penalties = [torch.tensor([0.0, 0.0]), torch.tensor([0.1, 0.0])]
-    plain = proxmo_group_advantages(torch.tensor([1.0, 0.0]), rewards, sim)
-    with_penalty = proxmo_group_advantages(torch.tensor([1.0, 0.0]), rewards, sim, step_penalties=penalties)
-    returns = [discounted_returns(r, 0.95) - p for r, p in zip(rewards, penalties)]
-    expected_step = proxmo_step_advantages(returns, sim, 0.1)
-    episode = proxmo_episode_advantages(torch.tensor([1.0, 0.0]))
-    check_all(with_penalty, [episode[i] + expected_step[i] for i in range(2)])
-    assert not torch.allclose(plain[1], with_penalty[1])
+def penalty_batch(malformed: set) -> list[dict]:
+    """Two groups. Group 0: states (a, b) (a, c) (a, d), outcomes (1, 0, 0); group 1: (a, e) (f),
+    outcomes (0, 1). Steps listed in `malformed` as (trajectory, step) are malformed replies."""
+    layout = [(0, ["a", "b"], True), (0, ["a", "c"], False), (0, ["a", "d"], False),
+              (1, ["a", "e"], False), (1, ["f"], True)]
+    batch = []
+    for i, (group, states, won) in enumerate(layout):
+        rewards = [0.0] * (len(states) - 1) + [float(won)]
+        steps = [{"state": s, "valid": True, "well_formed": (i, t) not in malformed}
+                 for t, s in enumerate(states)]
+        batch.append({"won": won, "group": group, "rewards": rewards, "steps": steps})
+    return batch
 
 
-def test_gigpo_step_penalties_by_hand():
-    """Three trajectories, states (a, b) (a, c) (a, d), outcomes (1, 0, 0), rewards (0, 1) (0, 0)
-    (0, 0), gamma 0.5, omega 1, a penalty of 0.1 at trajectory 3's first step.
-    Episode: mean 1/3, population std sqrt(2/9) = 0.471405: z = (1.414211, -0.707105, -0.707105).
-    Returns (0.5, 1), (0, 0), (0 - 0.1, 0). Anchor "a" holds (0.5, 0, -0.1): mean 0.133333,
-    std sqrt(0.206667 / 3) = 0.262467, z = (1.396996, -0.507999, -0.888998); b, c, d are singletons (0).
-    A = (2.811207, 1.414211), (-1.215104, -0.707105), (-1.596103, -0.707105).
-    A penalty at trajectory 3's *last* step (a singleton anchor) is subtracted after discounting, so
-    step 1's return stays 0 and every advantage equals the unpenalised one, which has anchor "a"
-    (0.5, 0, 0) -> (1.414208, -0.707104, -0.707104)."""
-    states = [["a", "b"], ["a", "c"], ["a", "d"]]
-    outcomes = torch.tensor([1.0, 0.0, 0.0])
-    rewards = [torch.tensor([0.0, 1.0]), torch.zeros(2), torch.zeros(2)]
-    first = [torch.zeros(2), torch.zeros(2), torch.tensor([0.1, 0.0])]
-    check_all(gigpo_group_advantages(outcomes, rewards, states, gamma=0.5, step_penalties=first),
-              [[2.811207, 1.414211], [-1.215104, -0.707105], [-1.596103, -0.707105]])
-    last = [torch.zeros(2), torch.zeros(2), torch.tensor([0.0, 0.1])]
-    unpenalised = [[2.828418, 1.414211], [-1.414209, -0.707105], [-1.414209, -0.707105]]
-    check_all(gigpo_group_advantages(outcomes, rewards, states, gamma=0.5, step_penalties=last), unpenalised)
-    check_all(gigpo_group_advantages(outcomes, rewards, states, gamma=0.5), unpenalised)
+@pytest.mark.parametrize("advantage", ["proxmo", "grpo", "gigpo"])
+def test_a_malformed_reply_moves_its_own_advantage_by_exactly_the_penalty(advantage):
+    """The rule for every estimator: the penalty comes off the final advantage of the malformed
+    step; every other step of the batch, the anchor-state neighbours of GiGPO and the soft-baseline
+    neighbours of ProxMO included, keeps its value bit for bit."""
+    args = Args(advantage=advantage, invalid_action_penalty=0.01)
+    clean = compute_advantages(args, penalty_batch(set()))
+    penalised = compute_advantages(args, penalty_batch({(2, 0), (4, 0)}))
+    for i, (c, p) in enumerate(zip(clean, penalised)):
+        for t in range(len(c)):
+            expected = c[t] - 0.01 if (i, t) in {(2, 0), (4, 0)} else c[t]
+            assert p[t].item() == expected.item(), (i, t)
+
+
+def test_gigpo_with_a_malformed_step_by_hand():
+    """Group 0 of penalty_batch with GiGPO, gamma 0.95: episode z of (1, 0, 0) = (0.666667,
+    -0.333333) / (0.471405 + 1e-6) = (1.414211, -0.707105, -0.707105); returns (0.95, 1), (0, 0),
+    (0, 0); anchor "a" holds (0.95, 0, 0): mean 0.316667, std 0.447834, z = (1.414210, -0.707105,
+    -0.707105); b, c, d are singletons (0). A = (2.828421, 1.414211), (-1.414210, -0.707105),
+    (-1.414210, -0.707105); the malformed first step of trajectory 3 ends 0.01 lower at -1.424210
+    and its anchor neighbours do not move (the old rule, a penalty on the return inside the
+    anchor's z-score, moved all three)."""
+    advs = compute_advantages(Args(advantage="gigpo"), penalty_batch({(2, 0)}))
+    check_all(advs[:3], [[2.828421, 1.414211], [-1.414210, -0.707105], [-1.424210, -0.707105]])
+
+
+def test_proxmo_without_modulation_and_step_term_is_grpo_end_to_end():
+    """--psc-beta 0 --step-weight 0 gives GRPO's advantages bit for bit, penalty included."""
+    batch = penalty_batch({(1, 1), (3, 0)})
+    proxmo = compute_advantages(Args(advantage="proxmo", psc_beta=0.0, step_weight=0.0), batch)
+    grpo = compute_advantages(Args(advantage="grpo"), batch)
+    for a, b in zip(proxmo, grpo):
+        assert torch.equal(a, b)
+    assert proxmo[1][1].item() == grpo[1][0].item() - 0.01
 
 
 def test_only_malformed_replies_are_penalised():
@@ -335,3 +350,30 @@ def test_ppo_clip_loss_by_hand():
     # Negative advantage: the pessimistic (max-loss) side, ratio 1.648721 * -1 is kept, not -1.2.
     neg = ppo_clip_loss(logp[:, :1], old[:, :1], logp[:, :1], torch.tensor([-1.0]), torch.ones(1, 1), kl_coef=0.0)
     assert neg.item() == pytest.approx(math.exp(0.5), abs=1e-5)
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    """ratio e^2 = 7.389056. A = -1: the clipped surrogate keeps the pessimistic -7.389056, loss
+    7.389056; dual clip c = 3 bounds it at -c * A = 3. A = +1: min(7.389056, 1.2) = 1.2, loss -1.2
+    with or without dual clip."""
+    logp, old, mask = torch.tensor([[0.0]]), torch.tensor([[-2.0]]), torch.ones(1, 1)
+    def loss(advantage, c):
+        return ppo_clip_loss(logp, old, logp, torch.tensor([advantage]), mask, kl_coef=0.0, clip_ratio_c=c).item()
+    assert loss(-1.0, None) == pytest.approx(7.389056, abs=1e-5)
+    assert loss(-1.0, 3.0) == pytest.approx(3.0, abs=1e-6)
+    assert loss(1.0, None) == pytest.approx(-1.2, abs=1e-6) and loss(1.0, 3.0) == pytest.approx(-1.2, abs=1e-6)
+
+
+def test_padded_positions_give_finite_gradients():
+    """A padded position with logp -100 against padding 0: ref - logp = 100 overflows exp in
+    float32; masked before the exponential, the loss and its gradient stay finite and the
+    padded position gets no gradient."""
+    logp = torch.tensor([[-1.0, -100.0]], requires_grad=True)
+    old, ref, mask = torch.tensor([[-1.2, 0.0]]), torch.tensor([[-0.9, 0.0]]), torch.tensor([[1.0, 0.0]])
+    loss = ppo_clip_loss(logp, old, ref, torch.tensor([1.0]), mask, kl_coef=0.01)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 1].item() == 0.0
+    kl = k3_kl(ref, logp.detach(), mask)
+    assert kl[0, 1].item() == 0.0
+    assert kl[0, 0].item() == pytest.approx(math.exp(0.1) - 0.1 - 1, abs=1e-6)

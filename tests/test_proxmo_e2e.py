@@ -2,12 +2,14 @@
 and clean errors (exit 2, no traceback) for bad input."""
 
 import glob
+import json
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough for seconds on 2 CPU cores; still BC -> eval -> rollouts -> update -> eval -> checkpoint.
@@ -25,18 +27,61 @@ def run(args, tmp_path, expect=0):
 
 
 @pytest.mark.parametrize("advantage", ["proxmo", "grpo", "gigpo"])
-def test_two_iterations_then_resume(advantage, tmp_path):
+def test_two_iterations(advantage, tmp_path):
     out = run(["--advantage", advantage, "--iterations", "2", "--run-dir", str(tmp_path), *SMALL], tmp_path)
     assert "[eval test @ iter 0]" in out.stdout and "[eval test @ iter 2]" in out.stdout
     (run_path,) = glob.glob(str(tmp_path / f"proxmo__household__{advantage}__1__*"))
-    for name in ("checkpoint/adapter_config.json", "checkpoint/trainer_state.pt", "bc_model/config.json"):
+    for name in ("config.json", "checkpoint/adapter_config.json", "checkpoint/trainer_state.pt",
+                 "checkpoint/README.md", "base_model/config.json"):
         assert os.path.isfile(os.path.join(run_path, name)), name
-    assert glob.glob(os.path.join(run_path, "events.out.tfevents.*"))
-    if advantage != "proxmo":
-        return
-    resumed = run(["--resume", run_path, "--iterations", "3", *SMALL], tmp_path)
-    assert "resumed from" in resumed.stdout and "at iteration 2" in resumed.stdout
-    assert "[eval test @ iter 3]" in resumed.stdout and "[eval test @ iter 1]" not in resumed.stdout
+    (events,) = glob.glob(os.path.join(run_path, "events.out.tfevents.*"))
+    with open(events, "rb") as f:  # the configuration table, as TensorBoard text
+        assert b"| --advantage | " + advantage.encode() + b" |" in f.read()
+    with open(os.path.join(run_path, "checkpoint", "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(os.path.join(run_path, "base_model"))
+    with open(os.path.join(run_path, "config.json")) as f:
+        saved = json.load(f)
+    assert saved["args"]["advantage"] == advantage and "proxmo.py" in saved["command"]
+
+
+def adapter_weights(run_path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(run_path, "checkpoint", "adapter_model.safetensors"))
+
+
+def test_resumed_run_gives_the_same_numbers_as_one_run(tmp_path):
+    """2 iterations in one go, and 1 iteration + --resume for the second, end with the same
+    evaluation and bit-identical adapter weights: every random stream is saved and restored."""
+    whole = run(["--iterations", "2", "--run-dir", str(tmp_path / "whole"), *SMALL], tmp_path)
+    run(["--iterations", "1", "--run-dir", str(tmp_path / "split"), *SMALL], tmp_path)
+    (whole_path,) = glob.glob(str(tmp_path / "whole" / "*"))
+    (split_path,) = glob.glob(str(tmp_path / "split" / "*"))
+    resumed = run(["--resume", split_path, "--iterations", "2"], tmp_path)
+    assert "resumed from" in resumed.stdout and "at iteration 1" in resumed.stdout
+    assert "overrides the saved 1" in resumed.stdout
+    final = [re.search(r"\[eval test @ iter 2\].*success (\S+) grounding (\S+) \(([^)]*)\)", o.stdout).groups()
+             for o in (whole, resumed)]
+    assert final[0] == final[1]
+    a, b = adapter_weights(whole_path), adapter_weights(split_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_a_contradicting_flag(tmp_path):
+    run(["--iterations", "1", "--run-dir", str(tmp_path), *SMALL], tmp_path)
+    (run_path,) = glob.glob(str(tmp_path / "proxmo__*"))
+    result = run(["--resume", run_path, "--iterations", "2", "--advantage", "grpo"], tmp_path, expect=2)
+    assert "--advantage grpo (saved: proxmo)" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_log_file_output_is_plain_lines(tmp_path):
+    """Not a terminal: no carriage returns, BC and RL progress as plain lines; --group-size 1 warns."""
+    out = run(["--iterations", "1", "--run-dir", str(tmp_path), *SMALL, "--group-size", "1"], tmp_path)
+    assert "\r" not in out.stdout
+    assert re.search(r"^bc \d+/\d+ \[\d+s\] loss=\S+$", out.stdout, re.MULTILINE)
+    assert re.search(r"^rl 1/1 \[\d+s\] success=\S+ grounding=\S+", out.stdout, re.MULTILINE)
+    assert out.stdout.count("rl 1/1") == 1
+    assert "--group-size 1: every episode advantage is 0" in out.stderr
 
 
 def test_same_seed_same_run(tmp_path):
@@ -59,12 +104,22 @@ def test_help_lists_the_flags(tmp_path):
     (["--model", "Qwen-no-such-model-0B", "--bc-epochs", "0"], "cannot load model"),
     (["--env", "alfworld"], "alfworld-download"),
     (["--backend", "vllm", "--device", "cpu"], "needs a CUDA GPU"),
-    (["--resume", "/nonexistent/run"], "no checkpoint"),
+    (["--resume", "/nonexistent/run"], "no such run directory"),
     (["--rollout-temperature", "0"], "must be > 0"),
+    (["--group-size", "0"], "--group-size must be >= 1"),
+    (["--tasks-per-iteration", "0"], "--tasks-per-iteration must be >= 1"),
+    (["--tasks-per-iteration", "5000"], "exceeds the 4000 training tasks"),
+    (["--eval-num-tasks", "-1"], "--eval-num-tasks must be >= 0"),
+    (["--learning-rate", "-1"], "--learning-rate must be > 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--eval-splits", "valid_unseen"], "--eval-splits must be among train, test"),
+    (["--group-size", "0", "--learning-rate", "-1"], "--group-size must be >= 1\n--learning-rate must be > 0"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, tmp_path):
-    result = run([*argv, "--run-dir", str(tmp_path)], tmp_path, expect=2)
+    """Rejected before any work: no behavior cloning, no configuration dump, no run directory."""
+    result = run([*argv, "--run-dir", str(tmp_path / "runs")], tmp_path, expect=2)
     assert message in result.stderr and "Traceback" not in result.stderr
+    assert "behavior cloning" not in result.stdout and not (tmp_path / "runs").exists()
 
 
 def test_unknown_flag_is_rejected(tmp_path):

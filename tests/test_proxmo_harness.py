@@ -1,0 +1,126 @@
+"""proxmo.py's harness in-process: prompts that keep their head, the update's NaN guard, the
+generation backend's eos ids, command-line presets, validation and resume reconciliation."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import envs
+from common import UsageError
+from common.model import add_lora, load_model_and_tokenizer
+from proxmo import (PROMPT_WORDS, Args, Policy, build_prompt, chat_ids, encode_prompt, parse_args, policy_update,
+                    validate_args)
+
+TASK = "put a mug in desk."
+OBS = "You arrive at desk 1. On the desk 1, you see a mug 1, and a pen 2."
+ADMISSIBLE = ["go to desk 1", "go to shelf 2", "take mug 1 from desk 1", "look", "inventory"]
+HISTORY = [("You arrive at shelf 1. On the shelf 1, you see nothing.", "go to shelf 1"),
+           ("You arrive at shelf 2. On the shelf 2, you see a book 1.", "go to shelf 2"),
+           ("You arrive at drawer 1. The drawer 1 is closed.", "go to drawer 1")]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model_and_tokenizer("tiny", vocabulary=envs.vocabulary("household") + PROMPT_WORDS, seed=0)
+
+
+def prompt_with(tokenizer, history_length):
+    text = build_prompt(TASK, HISTORY, OBS, ADMISSIBLE, 4, history_length, reasoning=False)
+    return chat_ids(tokenizer, text)
+
+
+def test_a_long_prompt_drops_its_oldest_history_not_its_head(tiny):
+    _, tok = tiny
+    with_two, with_one = prompt_with(tok, 2), prompt_with(tok, 1)
+    assert len(with_two) > len(with_one)
+    args = Args(history_length=2, max_prompt_tokens=len(with_two) - 1)
+    ids = encode_prompt(args, tok, TASK, HISTORY, OBS, ADMISSIBLE, 4)
+    assert ids == with_one  # the last pair stays, the older one goes
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|> user") and "task is to : put a mug in desk" in text
+    assert text.rstrip().endswith("assistant")
+    # Room for everything: nothing is dropped.
+    assert encode_prompt(Args(history_length=2, max_prompt_tokens=len(with_two)), tok, TASK, HISTORY, OBS,
+                         ADMISSIBLE, 4) == with_two
+
+
+def test_a_prompt_too_long_without_history_is_a_clear_error(tiny):
+    _, tok = tiny
+    bare = len(prompt_with(tok, 0))
+    with pytest.raises(UsageError) as err:
+        encode_prompt(Args(history_length=2, max_prompt_tokens=bare - 1), tok, TASK, HISTORY, OBS, ADMISSIBLE, 4)
+    message = str(err.value)
+    assert f"a prompt of {bare} tokens" in message and f"--max-prompt-tokens {bare - 1}" in message
+
+
+def test_a_nan_update_stops_before_the_weights_change(tiny):
+    base, tok = tiny
+    model = add_lora(base, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    try:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        samples = [([5, 6, 7], [8, 9], float("nan")), ([5, 7], [9], 1.0)]
+        with pytest.raises(FloatingPointError, match="iteration 3.*non-finite loss"):
+            policy_update(Args(micro_batch_size=4, minibatch_size=4), model, tok, optimizer, samples,
+                          torch.Generator().manual_seed(0), iteration=3)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                assert torch.equal(p, before[n]), n
+    finally:
+        model.unload()
+
+
+def test_policy_generates_until_any_eos_of_the_generation_config(tiny):
+    model, tok = tiny
+    saved = model.generation_config.eos_token_id
+    try:
+        model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]
+        assert Policy(Args(), model, tok).eos_ids == [tok.eos_token_id, tok.pad_token_id]
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
+def test_presets_follow_the_model():
+    tiny = parse_args([])
+    assert (tiny.iterations, tiny.bc_epochs, tiny.reasoning, tiny.eval_splits) == (8, 3, False, ("test",))
+    real = parse_args(["--model", "Qwen2.5-1.5B-Instruct", "--env", "alfworld"])
+    assert (real.iterations, real.bc_epochs, real.reasoning, real.learning_rate) == (150, 0, True, 1e-5)
+    assert real.eval_splits == ("valid_unseen", "valid_seen")
+    assert parse_args(["--model", "Qwen2.5-1.5B-Instruct", "--no-reasoning", "--iterations", "3"]).reasoning is False
+
+
+def test_every_nonsensical_value_gets_its_own_line():
+    errors = validate_args(Args(group_size=0, tasks_per_iteration=0, eval_num_tasks=-1, learning_rate=-1.0,
+                                max_new_tokens=0, gamma=1.5, clip_ratio_c=0.5, eval_splits=("valid_unseen",)))
+    for flag in ("--group-size", "--tasks-per-iteration", "--eval-num-tasks", "--learning-rate", "--max-new-tokens",
+                 "--gamma", "--clip-ratio-c", "--eval-splits"):
+        assert sum(line.startswith(flag) for line in errors) == 1, flag
+    assert validate_args(Args()) == []
+
+
+def saved_run(tmp_path, **overrides):
+    run = tmp_path / "run"
+    run.mkdir()
+    args = json.loads(json.dumps(Args(advantage="grpo", iterations=4, **overrides).__dict__))
+    (run / "config.json").write_text(json.dumps({"command": "python proxmo.py --advantage grpo", "args": args}))
+    return str(run)
+
+
+def test_resume_takes_the_saved_configuration(tmp_path, capsys):
+    run = saved_run(tmp_path, group_size=3)
+    args = parse_args(["--resume", run])
+    assert (args.advantage, args.group_size, args.iterations, args.resume) == ("grpo", 3, 4, run)
+    longer = parse_args(["--resume", run, "--iterations", "6", "--group-size", "3"])
+    assert longer.iterations == 6 and "overrides the saved 4" in capsys.readouterr().out
+
+
+def test_resume_with_a_contradicting_flag_is_an_error(tmp_path):
+    run = saved_run(tmp_path)
+    with pytest.raises(UsageError) as err:
+        parse_args(["--resume", run, "--advantage", "proxmo", "--kl-coef", "0"])
+    assert "--advantage proxmo (saved: grpo)" in str(err.value) and "--kl-coef 0.0 (saved: 0.01)" in str(err.value)
+    with pytest.raises(UsageError, match="no config.json"):
+        parse_args(["--resume", str(tmp_path)])
+    assert os.path.isdir(run)
