@@ -663,7 +663,8 @@ class Policy:
 
 
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
-            temperature: float, expert_rng: random.Random | None = None) -> list[dict]:
+            temperature: float, expert_rng: random.Random | None = None,
+            seconds: dict | None = None) -> list[dict]:
     """Play one game per task in lock-step until all finish.
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
@@ -672,7 +673,9 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     Each trajectory: {"task_type", "group", "won", "rewards": [r_t], "steps": [{"prompt" (token
     ids), "response_ids", "state" (raw observation = anchor text), "action" (executed), "valid"
-    (admissible, from the env), "well_formed" (see is_well_formed), "label"}]}."""
+    (admissible, from the env), "well_formed" (see is_well_formed), "label"}]}.
+    seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
+    seconds = defaultdict(float) if seconds is None else seconds
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert) for t in tasks]
     batch = EnvBatch(games)
@@ -681,10 +684,13 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
               "history": []} for g, gid in zip(games, group_ids)]
     while batch.active():
         active = batch.active()
+        start = time.perf_counter()
         prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
                                  batch.observations[i], games[i].admissible_actions(),
                                  len(trajs[i]["steps"]) + 1)
                    for i in active]
+        seconds["prompts"] += time.perf_counter() - start
+        start = time.perf_counter()
         if expert:
             responses = [None] * len(active)
             labels = [games[i].expert_action() for i in active]
@@ -699,8 +705,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
             labels = [None] * len(active)
             well_formed = [is_well_formed(t, args.reasoning) for t in texts]
+        seconds["generation"] += time.perf_counter() - start
         states = {i: batch.observations[i] for i in active}
+        start = time.perf_counter()
         results = batch.step(dict(zip(active, commands)))
+        seconds["env"] += time.perf_counter() - start
         for k, i in enumerate(active):
             obs, reward, done, info = results[i]
             tr = trajs[i]
@@ -880,10 +889,15 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
         return out
 
     model.eval()  # no dropout when scoring the rollout policy
+    began = time.perf_counter()
     old_logp = logprobs_no_grad(False)
+    seconds = {"old_logprobs": time.perf_counter() - began}
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
+    began = time.perf_counter()
     ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
+    seconds["ref_logprobs"] = time.perf_counter() - began
     model.train()
+    began = time.perf_counter()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
     for epoch in range(args.ppo_epochs):
@@ -921,7 +935,10 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
             stats["loss"].append(minibatch_loss)
             stats["grad_norm"].append(grad_norm)
             optimizer.step()
-    return {f"train/{k}": float(np.mean(v)) for k, v in stats.items()}
+    seconds["update"] = time.perf_counter() - began
+    out = {f"train/{k}": float(np.mean(v)) for k, v in stats.items()}
+    out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
+    return out
 
 
 def save_checkpoint(path: str, model, base_model: str, args: Args, iteration: int,
@@ -1089,10 +1106,14 @@ def main(args: Args) -> dict:
         policy.sync(run_path)
         tasks = [t for t in batch_tasks for _ in range(args.group_size)]
         groups = [g for g in range(len(batch_tasks)) for _ in range(args.group_size)]
-        trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
+        seconds = defaultdict(float)
+        trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
+                        seconds=seconds)
         rollout_seconds = time.time() - t0
         # (4) advantages, one scalar per step.
+        start = time.perf_counter()
         advantages = compute_advantages(args, trajs)
+        seconds["advantages"] = time.perf_counter() - start
         samples = [(s["prompt"], s["response_ids"], float(a))
                    for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
         # (5, 6) old / reference log-probs and the clipped policy-gradient update.
@@ -1108,10 +1129,14 @@ def main(args: Args) -> dict:
                       "time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0,
                       "train/advantage_abs_mean": float(np.mean([abs(s[2]) for s in samples]))})
+        # Where the iteration's time went: prompts, generation, env, advantages (the policy
+        # update added old_logprobs, ref_logprobs and update).
+        stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
         log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
                         kl=stats.get("train/kl_ref", float("nan")),
                         rollout_s=round(rollout_seconds),
+                        update_s=round(stats["time/update_seconds"]),
                         iter_s=round(stats["time/iteration_seconds"]))
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)

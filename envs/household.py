@@ -150,7 +150,9 @@ ROOMS_FOR_TASK = {
 }
 NUM_TRAIN_TASKS = 4000
 NUM_TEST_TASKS = 600
+NUM_VALID_TASKS = 600
 TEST_SEED_OFFSET = 1_000_000
+VALID_SEED_OFFSET = 2_000_000
 
 
 @dataclass
@@ -461,27 +463,40 @@ class HouseholdEnv:
 
 
 # ---- task sets -----------------------------------------------------------------------------------
-SPLITS = ("train", "test")
-_TRAIN_CACHE: dict[int, set] = {}
+SPLITS = ("train", "valid", "test")
+_FINGERPRINTS: dict[str, set] = {}
 
 
-def task_seeds(split: str, num_tasks: int | None = None) -> list[int]:
-    """Seeds of a split. Train seeds are 0..N-1; test seeds start at TEST_SEED_OFFSET and skip
-    any task whose full layout and goal also occur in the train set, so the sets are disjoint."""
-    if split == "train":
-        return list(range(num_tasks or NUM_TRAIN_TASKS))
-    if split != "test":
-        raise ValueError(f"unknown household split {split!r}: expected 'train' or 'test'")
-    n = num_tasks or NUM_TEST_TASKS
-    if NUM_TRAIN_TASKS not in _TRAIN_CACHE:
-        _TRAIN_CACHE[NUM_TRAIN_TASKS] = {generate_task(s).fingerprint() for s in range(NUM_TRAIN_TASKS)}
-    train = _TRAIN_CACHE[NUM_TRAIN_TASKS]
-    seeds, s = [], TEST_SEED_OFFSET
+def _held_out_seeds(offset: int, n: int, exclude: set) -> list[int]:
+    """The first n seeds from `offset` on whose task (layout and goal) is not in `exclude`."""
+    seeds, s = [], offset
     while len(seeds) < n:
-        if generate_task(s).fingerprint() not in train:
+        if generate_task(s).fingerprint() not in exclude:
             seeds.append(s)
         s += 1
     return seeds
+
+
+def _fingerprints(split: str) -> set:
+    if split not in _FINGERPRINTS:
+        _FINGERPRINTS[split] = {generate_task(s).fingerprint() for s in task_seeds(split)}
+    return _FINGERPRINTS[split]
+
+
+def task_seeds(split: str, num_tasks: int | None = None) -> list[int]:
+    """Seeds of a split. Train seeds are 0..N-1. Test seeds start at TEST_SEED_OFFSET and skip any
+    task whose full layout and goal also occur in train; valid seeds (for choosing
+    hyperparameters, so that test stays untouched) start at VALID_SEED_OFFSET and skip any task of
+    train or test. The three sets are disjoint."""
+    if split == "train":
+        return list(range(num_tasks or NUM_TRAIN_TASKS))
+    if split == "test":
+        return _held_out_seeds(TEST_SEED_OFFSET, num_tasks or NUM_TEST_TASKS,
+                               _fingerprints("train"))
+    if split == "valid":
+        return _held_out_seeds(VALID_SEED_OFFSET, num_tasks or NUM_VALID_TASKS,
+                               _fingerprints("train") | _fingerprints("test"))
+    raise ValueError(f"unknown household split {split!r}: expected one of {', '.join(SPLITS)}")
 
 
 def vocabulary() -> list[str]:

@@ -24,7 +24,7 @@ def play_expert(seed: int, max_steps: int = 50) -> HouseholdEnv:
     return env
 
 
-@pytest.mark.parametrize("split", ["train", "test"])
+@pytest.mark.parametrize("split", ["train", "valid", "test"])
 def test_expert_solves_every_task_of_every_type(split):
     seeds = task_seeds(split)
     lengths = defaultdict(list)
@@ -39,10 +39,15 @@ def test_expert_solves_every_task_of_every_type(split):
     assert sum(lengths["pick_two_obj_and_place"]) / len(lengths["pick_two_obj_and_place"]) >= 11
 
 
-def test_train_and_test_tasks_are_disjoint():
+def test_train_valid_and_test_tasks_are_disjoint():
     train = {generate_task(s).fingerprint() for s in task_seeds("train")}
-    test = [generate_task(s).fingerprint() for s in task_seeds("test")]
-    assert not train.intersection(test)
+    test = {generate_task(s).fingerprint() for s in task_seeds("test")}
+    valid = {generate_task(s).fingerprint() for s in task_seeds("valid")}
+    assert len(test) == 600 and len(valid) == 600
+    assert not train & test and not train & valid and not valid & test
+    assert task_seeds("valid", 5) == task_seeds("valid")[:5]
+    with pytest.raises(ValueError, match="train, valid, test"):
+        task_seeds("dev")
 
 
 def test_seeds_reproduce_tasks_exactly():
@@ -125,6 +130,6 @@ def test_registry_errors_are_clear():
     with pytest.raises(envs.UsageError, match="unknown environment 'nope'"):
         envs.list_tasks("nope", "train")
     with pytest.raises(envs.UsageError, match="unknown household split"):
-        envs.list_tasks("household", "valid")
+        envs.list_tasks("household", "valid_unseen")
     game = envs.make_game("household", envs.list_tasks("household", "train", 1)[0], max_steps=7)
     assert game.max_steps == 7 and game.task_type in envs.TASK_TYPES

@@ -35,8 +35,17 @@ def test_two_iterations(advantage, tmp_path):
                  "checkpoint/README.md", "base_model/config.json"):
         assert os.path.isfile(os.path.join(run_path, name)), name
     (events,) = glob.glob(os.path.join(run_path, "events.out.tfevents.*"))
-    with open(events, "rb") as f:  # the configuration table, as TensorBoard text
-        assert b"| --advantage | " + advantage.encode() + b" |" in f.read()
+    with open(events, "rb") as f:
+        logged = f.read()
+    assert b"| --advantage | " + advantage.encode() + b" |" in logged  # the configuration table
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(events).Reload()
+    iteration = [e.value for e in scalars.Scalars("time/iteration_seconds")]
+    parts = [[e.value for e in scalars.Scalars(f"time/{part}_seconds")] for part in
+             ("prompts", "generation", "env", "advantages", "old_logprobs", "ref_logprobs", "update")]
+    for k in range(2):  # the breakdown of each iteration fits inside it
+        assert all(p[k] >= 0 for p in parts) and sum(p[k] for p in parts) <= iteration[k]
     with open(os.path.join(run_path, "checkpoint", "adapter_config.json")) as f:
         assert json.load(f)["base_model_name_or_path"] == os.path.abspath(os.path.join(run_path, "base_model"))
     with open(os.path.join(run_path, "config.json")) as f:
@@ -112,7 +121,7 @@ def test_help_lists_the_flags(tmp_path):
     (["--eval-num-tasks", "-1"], "--eval-num-tasks must be >= 0"),
     (["--learning-rate", "-1"], "--learning-rate must be > 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--eval-splits", "valid_unseen"], "--eval-splits must be among train, test"),
+    (["--eval-splits", "valid_unseen"], "--eval-splits must be among train, valid, test"),
     (["--group-size", "0", "--learning-rate", "-1"], "--group-size must be >= 1\n--learning-rate must be > 0"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, tmp_path):
