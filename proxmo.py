@@ -78,7 +78,7 @@ class Args:
     """where run directories are created"""
     resume: str | None = None
     """a run directory (runs/NAME) to continue from its last checkpoint, with its saved
-    configuration; only --iterations may differ from it"""
+    configuration; only --iterations and --device may differ from it"""
 
     # Advantage estimator: the method and the baselines it is compared against.
     advantage: Literal["proxmo", "grpo", "gigpo"] = "proxmo"
@@ -137,8 +137,9 @@ class Args:
     rollout_temperature: float = 1.0
     """sampling temperature of training rollouts; PPO scores responses under the same tempered
     policy, softmax(logits / temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling of rollouts and evaluation (1 = off)"""
+    eval_top_p: float = 1.0
+    """nucleus sampling of evaluation (1 = off); training rollouts always sample the full
+    softmax(logits / T) that PPO scores"""
     max_new_tokens: int = 12
     """response length limit [preset: tiny 12 | real 512]"""
     max_prompt_tokens: int = 2048
@@ -213,7 +214,13 @@ def preset_args(model: str = "tiny", env: str = "household") -> Args:
 def validate_args(args: Args) -> list[str]:
     """One line per nonsensical value; [] when all are usable."""
     a = args
-    rules = [
+    floats = [f.name for f in fields(Args) if isinstance(getattr(a, f.name), float)]
+    rules = [(math.isfinite(getattr(a, name)), f"--{name.replace('_', '-')} must be finite")
+             for name in floats]
+    rules += [
+        (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
+        (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
+         f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
         (a.iterations >= 1, "--iterations must be >= 1"),
         (a.tasks_per_iteration >= 1, "--tasks-per-iteration must be >= 1"),
         (a.group_size >= 1, "--group-size must be >= 1"),
@@ -230,7 +237,7 @@ def validate_args(args: Args) -> list[str]:
         (a.max_grad_norm > 0, "--max-grad-norm must be > 0"),
         (a.rollout_temperature > 0,
          "--rollout-temperature must be > 0: the N trajectories of a group must be sampled"),
-        (0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
+        (0 < a.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
         (a.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
         (a.max_prompt_tokens >= 1, "--max-prompt-tokens must be >= 1"),
         (a.history_length >= 0, "--history-length must be >= 0"),
@@ -293,17 +300,22 @@ def parse_args(argv: list[str]) -> Args:
     if unknown:
         raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
                          f"the script does not know: {', '.join(unknown)}")
-    saved = Args(**{**saved, "eval_splits": tuple(saved["eval_splits"])})
+    defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household")))
+    merged = {**defaults, **saved}
+    saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
     args = tyro.cli(Args, args=argv, default=saved)
-    changed = [f.name for f in fields(Args) if f.name not in ("resume", "iterations")
+    may_change = ("resume", "iterations", "device")
+    changed = [f.name for f in fields(Args) if f.name not in may_change
                and getattr(args, f.name) != getattr(saved, f.name)]
     if changed:
         contradictions = [f"--{n.replace('_', '-')} {getattr(args, n)} "
                           f"(saved: {getattr(saved, n)})" for n in changed]
         raise UsageError("--resume continues the saved configuration; these flags contradict it: "
                          + ", ".join(contradictions))
-    if args.iterations != saved.iterations:
-        print(f"note: --iterations {args.iterations} overrides the saved {saved.iterations}")
+    for name in may_change[1:]:
+        given, before = getattr(args, name), getattr(saved, name)
+        if given != before:
+            print(f"note: --{name} {given} overrides the saved {before}")
     return args
 
 
@@ -649,21 +661,22 @@ class Policy:
             self.adapter_path = os.path.join(run_path, "vllm_adapter")
             self.model.save_pretrained(self.adapter_path)
 
-    def generate(self, prompts: list[list[int]], temperature: float) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], temperature: float,
+                 top_p: float = 1.0) -> list[list[int]]:
         a = self.args
         if self.engine is not None:
             return vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
                                  adapter_version=self.adapter_version, eos_ids=self.eos_ids,
                                  max_new_tokens=a.max_new_tokens, temperature=temperature,
-                                 top_p=a.top_p)
+                                 top_p=top_p)
         return hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
                            eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
-                           temperature=temperature, top_p=a.top_p,
+                           temperature=temperature, top_p=top_p,
                            batch_size=max(a.micro_batch_size, 64))
 
 
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
-            temperature: float, expert_rng: random.Random | None = None,
+            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
             seconds: dict | None = None) -> list[dict]:
     """Play one game per task in lock-step until all finish.
 
@@ -693,12 +706,13 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
         start = time.perf_counter()
         if expert:
             responses = [None] * len(active)
+            # An expert that gave up (label None) only looks around; BC skips those steps.
             labels = [games[i].expert_action() for i in active]
             commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise, expert_rng)
-                        for i, label in zip(active, labels)]
+                        if label is not None else "look" for i, label in zip(active, labels)]
             well_formed = [True] * len(active)
         else:
-            responses = policy.generate(prompts, temperature)
+            responses = policy.generate(prompts, temperature, top_p)
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
             parsed = [parse_action(t) for t in texts]
             # No <action> tag: the env gets the reply's tail, which is never admissible.
@@ -781,7 +795,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
     samples = []
     for tr in demos:
-        for s in tr["steps"]:
+        for s in [s for s in tr["steps"] if s["label"] is not None]:
             response = tokenizer(expert_response(s["label"], args.reasoning),
                                  add_special_tokens=False).input_ids
             samples.append((s["prompt"], response + [tokenizer.eos_token_id]))
@@ -831,7 +845,7 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         trajs = rollout(args, policy.tokenizer, policy, tasks, list(range(len(tasks))),
-                        args.eval_temperature)
+                        args.eval_temperature, args.eval_top_p)
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:
         by_type[t["task_type"]].append(t["won"])
@@ -1000,12 +1014,17 @@ def main(args: Args) -> dict:
     model, tokenizer = load_model_and_tokenizer(base_path if resumed_base else args.model,
                                                 vocabulary=vocab, seed=args.seed, dtype=dtype,
                                                 device=args.device)
-    # Only now the run directory: a run stopped by bad input leaves nothing behind.
+    # Only now the run directory: a run stopped by bad flags or missing data leaves nothing.
     os.makedirs(run_path, exist_ok=True)
-    if not args.resume:
-        with open(os.path.join(run_path, "config.json"), "w") as f:
-            command = shlex.join([sys.executable, *sys.argv])
-            json.dump({"command": command, "args": asdict(args)}, f, indent=1)
+    config_file = os.path.join(run_path, "config.json")
+    command = shlex.join([sys.executable, *sys.argv])
+    record = {"command": command, "args": asdict(args), "resumed_by": []}
+    if args.resume:  # keep the first command; a raised --iterations holds for later resumes
+        with open(config_file) as f:
+            record = {**json.load(f), "args": asdict(args)}
+        record["resumed_by"] = record.get("resumed_by", []) + [command]
+    with open(config_file, "w") as f:
+        json.dump(record, f, indent=1)
 
     if args.track:
         import wandb

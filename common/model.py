@@ -17,6 +17,7 @@ import re
 import socket
 import string
 from urllib.parse import urlparse
+from urllib.request import getproxies
 
 import torch
 
@@ -105,8 +106,9 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
             model = AutoModelForCausalLM.from_pretrained(candidate, dtype=dtype,
                                                          local_files_only=cache_only)
         except (OSError, ValueError) as e:
-            reason = ("the hub is unreachable (offline) and the model is not in the local cache"
-                      if cache_only else str(e).splitlines()[0])
+            reason = str(e).splitlines()[0]
+            if cache_only:
+                reason = f"the hub is unreachable (offline), local cache only: {reason}"
             errors.append(f"  {candidate}: {reason}")
             continue
         tokenizer.padding_side = "left"
@@ -123,13 +125,16 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    """False when HF_HUB_OFFLINE is set or the hub endpoint cannot be connected to quickly."""
+    """False when HF_HUB_OFFLINE is set or the hub endpoint cannot be connected to quickly.
+    Behind a proxy the endpoint is not probed directly: True."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         return False
     endpoint = urlparse(constants.ENDPOINT)
-    address = (endpoint.hostname, endpoint.port or 443)
+    if getproxies().get(endpoint.scheme):
+        return True
+    address = (endpoint.hostname, endpoint.port or (80 if endpoint.scheme == "http" else 443))
     try:
         socket.create_connection(address, timeout=timeout).close()
     except OSError:

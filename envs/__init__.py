@@ -1,7 +1,8 @@
 """Environments behind one small interface.
 
 A game object has: reset() -> observation; step(command) -> (observation, reward, done, info)
-with info["won"] and info["valid"]; admissible_actions() -> list of commands; expert_action();
+with info["won"] and info["valid"]; admissible_actions() -> list of commands; expert_action()
+(a command, or None once the expert has given up);
 and the attributes task_type and task_description. Rewards are sparse: 1.0 on success, else 0.
 
     tasks = list_tasks("household", "train")      # task handles (seeds or ALFWorld game files)

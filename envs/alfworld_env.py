@@ -117,26 +117,26 @@ class AlfworldEnv:
     def admissible_actions(self) -> list[str]:
         return [a for a in self._state["admissible_commands"] if a != "help"]
 
-    def expert_action(self) -> str:
+    def expert_action(self) -> str | None:
+        """The expert's next command; None once it has given up on this game."""
         if not self.expert:
             raise RuntimeError("expert_action() needs a game made with expert=True")
         return self._expert_plan
 
     def _update_expert(self, command: str) -> None:
         """What alfworld's AlfredExpert does after a step, with expert_view(command). An expert
-        that fails or times out (it raises) answers "look" from then on instead of ending the
+        that fails or times out (it raises) gives up: None from then on, instead of ending the
         run."""
         from alfworld.agents.expert.handcoded_expert import (HandCodedAgentFailed,
                                                              HandCodedAgentTimeout)
 
         if self._expert_agent is None:
-            self._expert_plan = "look"
             return
         admissible = self.admissible_actions()
         try:
             action = self._expert_agent.policy.act(self._state, expert_view(command))
         except (HandCodedAgentFailed, HandCodedAgentTimeout, IndexError, KeyError, ValueError):
-            self._expert_agent, self._expert_plan = None, "look"
+            self._expert_agent, self._expert_plan = None, None
             return
         # HandCodedAgent.act's guard against repeating itself, on the command as played.
         if action == command or (command == "look" and action not in admissible):

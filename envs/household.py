@@ -488,6 +488,9 @@ def task_seeds(split: str, num_tasks: int | None = None) -> list[int]:
     task whose full layout and goal also occur in train; valid seeds (for choosing
     hyperparameters, so that test stays untouched) start at VALID_SEED_OFFSET and skip any task of
     train or test. The three sets are disjoint."""
+    sizes = {"train": NUM_TRAIN_TASKS, "valid": NUM_VALID_TASKS, "test": NUM_TEST_TASKS}
+    if split in sizes and (num_tasks or 0) > sizes[split]:
+        raise ValueError(f"the household {split} split has {sizes[split]} tasks, not {num_tasks}")
     if split == "train":
         return list(range(num_tasks or NUM_TRAIN_TASKS))
     if split == "test":

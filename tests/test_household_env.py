@@ -48,6 +48,8 @@ def test_train_valid_and_test_tasks_are_disjoint():
     assert task_seeds("valid", 5) == task_seeds("valid")[:5]
     with pytest.raises(ValueError, match="train, valid, test"):
         task_seeds("dev")
+    with pytest.raises(ValueError, match="has 600 tasks"):  # more would reach into valid
+        task_seeds("test", 601)
 
 
 def test_seeds_reproduce_tasks_exactly():

@@ -69,6 +69,9 @@ def test_resumed_run_gives_the_same_numbers_as_one_run(tmp_path):
     resumed = run(["--resume", split_path, "--iterations", "2"], tmp_path)
     assert "resumed from" in resumed.stdout and "at iteration 1" in resumed.stdout
     assert "overrides the saved 1" in resumed.stdout
+    with open(os.path.join(split_path, "config.json")) as f:
+        record = json.load(f)
+    assert record["args"]["iterations"] == 2 and len(record["resumed_by"]) == 1
     final = [re.search(r"\[eval test @ iter 2\].*success (\S+) grounding (\S+) \(([^)]*)\)", o.stdout).groups()
              for o in (whole, resumed)]
     assert final[0] == final[1]

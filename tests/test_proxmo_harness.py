@@ -98,6 +98,8 @@ def test_every_nonsensical_value_gets_its_own_line():
                  "--gamma", "--clip-ratio-c", "--eval-splits"):
         assert sum(line.startswith(flag) for line in errors) == 1, flag
     assert validate_args(Args()) == []
+    errors = validate_args(Args(seed=-1, kl_coef=float("inf"), device="gpu"))
+    assert [e.split()[0] for e in errors] == ["--kl-coef", "--seed", "--device"], errors
 
 
 def saved_run(tmp_path, **overrides):
@@ -114,6 +116,16 @@ def test_resume_takes_the_saved_configuration(tmp_path, capsys):
     assert (args.advantage, args.group_size, args.iterations, args.resume) == ("grpo", 3, 4, run)
     longer = parse_args(["--resume", run, "--iterations", "6", "--group-size", "3"])
     assert longer.iterations == 6 and "overrides the saved 4" in capsys.readouterr().out
+
+
+def test_resume_fills_settings_missing_from_an_old_config_with_its_model_presets(tmp_path, capsys):
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"args": {"model": "Qwen2.5-1.5B-Instruct", "env": "alfworld",
+                                                            "device": "cuda"}}))
+    args = parse_args(["--resume", str(run), "--device", "cpu"])
+    assert (args.iterations, args.reasoning, args.eval_splits) == (150, True, ("valid_unseen", "valid_seen"))
+    assert args.device == "cpu" and "--device cpu overrides the saved" in capsys.readouterr().out
 
 
 def test_resume_with_a_contradicting_flag_is_an_error(tmp_path):
