@@ -304,15 +304,15 @@ def parse_args(argv: list[str]) -> Args:
     merged = {**defaults, **saved}
     saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
     args = tyro.cli(Args, args=argv, default=saved)
-    may_change = ("resume", "iterations", "device")
-    changed = [f.name for f in fields(Args) if f.name not in may_change
+    overridable = ("iterations", "device")
+    changed = [f.name for f in fields(Args) if f.name not in ("resume", *overridable)
                and getattr(args, f.name) != getattr(saved, f.name)]
     if changed:
         contradictions = [f"--{n.replace('_', '-')} {getattr(args, n)} "
                           f"(saved: {getattr(saved, n)})" for n in changed]
         raise UsageError("--resume continues the saved configuration; these flags contradict it: "
                          + ", ".join(contradictions))
-    for name in may_change[1:]:
+    for name in overridable:
         given, before = getattr(args, name), getattr(saved, name)
         if given != before:
             print(f"note: --{name} {given} overrides the saved {before}")
@@ -992,8 +992,10 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
 
-    checkpoint_state = os.path.join(args.resume or "", "checkpoint", "trainer_state.pt")
-    if args.resume and not os.path.isfile(checkpoint_state):
+    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    checkpoint = os.path.join(run_path, "checkpoint")
+    if args.resume and not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
         raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
     train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
     if args.tasks_per_iteration > len(train_tasks):
@@ -1006,8 +1008,6 @@ def main(args: Args) -> dict:
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
     # then the LoRA adapter trained by RL.
-    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
-    run_path = args.resume or os.path.join(args.run_dir, run_name)
     base_path = os.path.join(run_path, "base_model")
     resumed_base = args.resume and os.path.isdir(base_path)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -1065,7 +1065,6 @@ def main(args: Args) -> dict:
         base_model = os.path.abspath(base_path)
     else:
         base_model = resolve_model_name(args.model)[0]
-    checkpoint = os.path.join(run_path, "checkpoint")
     if args.resume:
         model = load_lora(model, checkpoint)
     else:
@@ -1085,7 +1084,7 @@ def main(args: Args) -> dict:
     task_rng = random.Random(args.seed)
     start_iteration = 0
     if args.resume:
-        state = torch.load(checkpoint_state, weights_only=False)
+        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
         task_rng.setstate(state["task_rng"])

@@ -489,17 +489,16 @@ def task_seeds(split: str, num_tasks: int | None = None) -> list[int]:
     hyperparameters, so that test stays untouched) start at VALID_SEED_OFFSET and skip any task of
     train or test. The three sets are disjoint."""
     sizes = {"train": NUM_TRAIN_TASKS, "valid": NUM_VALID_TASKS, "test": NUM_TEST_TASKS}
-    if split in sizes and (num_tasks or 0) > sizes[split]:
-        raise ValueError(f"the household {split} split has {sizes[split]} tasks, not {num_tasks}")
+    if split not in sizes:
+        raise ValueError(f"unknown household split {split!r}: expected one of {', '.join(SPLITS)}")
+    n = num_tasks or sizes[split]
+    if n > sizes[split]:
+        raise ValueError(f"the household {split} split has {sizes[split]} tasks, not {n}")
     if split == "train":
-        return list(range(num_tasks or NUM_TRAIN_TASKS))
+        return list(range(n))
     if split == "test":
-        return _held_out_seeds(TEST_SEED_OFFSET, num_tasks or NUM_TEST_TASKS,
-                               _fingerprints("train"))
-    if split == "valid":
-        return _held_out_seeds(VALID_SEED_OFFSET, num_tasks or NUM_VALID_TASKS,
-                               _fingerprints("train") | _fingerprints("test"))
-    raise ValueError(f"unknown household split {split!r}: expected one of {', '.join(SPLITS)}")
+        return _held_out_seeds(TEST_SEED_OFFSET, n, _fingerprints("train"))
+    return _held_out_seeds(VALID_SEED_OFFSET, n, _fingerprints("train") | _fingerprints("test"))
 
 
 def vocabulary() -> list[str]:
