@@ -53,9 +53,9 @@ class Args:
     """ProxMO (and the GRPO / GiGPO baselines) for multi-turn LLM agents.
 
     Defaults marked [preset: tiny X | real Y] depend on --model: a value that trains in minutes
-    on 2 CPU cores with `--model tiny`, the paper's (or the authors' scripts') value with a real
-    model. --help shows the defaults of the --model it is given. The resolved values are
-    printed."""
+    on 2 CPU cores with `--model tiny` (or tiny-scratch), the paper's (or the authors' scripts')
+    value with a real model. --help shows the defaults of the --model it is given. The resolved
+    values are printed."""
 
     exp_name: str = "proxmo"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -65,7 +65,8 @@ class Args:
     env: Literal["household", "alfworld"] = "household"
     """household (built in, no download) or alfworld (needs $ALFWORLD_DATA)"""
     model: str = "tiny"
-    """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct) or tiny"""
+    """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct), tiny (the shipped
+    household start, assets/tiny-household) or tiny-scratch (random weights; BC first)"""
     backend: Literal["hf", "vllm"] = "hf"
     """rollout generation: transformers generate (KV cache) or vLLM with the LoRA adapter (GPU)"""
     device: str = "cpu"
@@ -104,7 +105,8 @@ class Args:
 
     # RL
     iterations: int = 8
-    """training iterations [preset: tiny 8 | real 150]"""
+    """training iterations; 0 = behavior cloning and the start evaluation only
+    [preset: tiny 8 | real 150]"""
     tasks_per_iteration: int = 4
     """training tasks per iteration, each played --group-size times [preset: tiny 4 | real 16]"""
     group_size: int = 8
@@ -130,8 +132,8 @@ class Args:
     """passes over an iteration's step samples"""
     minibatch_size: int = 256
     """step samples per optimizer step"""
-    micro_batch_size: int = 64
-    """step samples per forward pass [preset: tiny 64 | real 8]"""
+    micro_batch_size: int = 16
+    """step samples per forward pass [preset: tiny 16 (faster on CPU than 64) | real 8]"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of every optimizer step"""
     rollout_temperature: float = 1.0
@@ -160,8 +162,9 @@ class Args:
     """comma-separated module names, or all-linear"""
 
     # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
-    bc_epochs: int = 3
-    """epochs of BC before RL; 0 skips it [preset: tiny 3 | real 0]"""
+    bc_epochs: int = 0
+    """epochs of BC before RL; 0 skips it [preset: tiny 0 (the shipped model is cloned already)
+    | tiny-scratch 3 | real 0]"""
     bc_full_params: bool = True
     """train every weight during BC instead of a LoRA adapter [preset: tiny on (random
     embeddings are out of LoRA's reach) | real off]"""
@@ -202,12 +205,16 @@ REAL_MODEL_PRESETS = dict(iterations=150, tasks_per_iteration=16, max_episode_st
                           history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,
                           bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
                           eval_every=5, eval_num_tasks=0)
+TINY_SCRATCH_PRESETS = dict(bc_epochs=3)
 
 
 def preset_args(model: str = "tiny", env: str = "household") -> Args:
-    """The defaults for `model` and `env`: the dataclass's (tiny presets) or REAL_MODEL_PRESETS."""
+    """The defaults for `model` and `env`: the dataclass's (tiny presets), with
+    TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top."""
     args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
                 device="cuda" if torch.cuda.is_available() else "cpu")
+    if model == "tiny-scratch":
+        return replace(args, **TINY_SCRATCH_PRESETS)
     return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)
 
 
@@ -221,7 +228,10 @@ def validate_args(args: Args) -> list[str]:
         (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
         (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
          f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
-        (a.iterations >= 1, "--iterations must be >= 1"),
+        (a.iterations >= 0, "--iterations must be >= 0"),
+        (a.model not in ("tiny", "tiny-scratch") or a.env == "household",
+         f"--model {a.model} knows only the household's words; for --env {a.env} pass a real "
+         "model, e.g. --model Qwen2.5-1.5B-Instruct"),
         (a.tasks_per_iteration >= 1, "--tasks-per-iteration must be >= 1"),
         (a.group_size >= 1, "--group-size must be >= 1"),
         (a.max_episode_steps >= 1, "--max-episode-steps must be >= 1"),
@@ -662,17 +672,25 @@ class Policy:
             self.model.save_pretrained(self.adapter_path)
 
     def generate(self, prompts: list[list[int]], temperature: float,
-                 top_p: float = 1.0) -> list[list[int]]:
+                 top_p: float = 1.0) -> tuple[list[list[int]], list | None]:
+        """(responses, log-probs of their tokens or None). Sampling with the hf backend and
+        without top-p (every training rollout) records the log-probs the tokens were drawn with:
+        PPO's old log-probs without another forward pass. vLLM's (bf16, other kernels) would
+        differ from the trainer's: None, and the update scores the responses itself, as veRL
+        does."""
         a = self.args
         if self.engine is not None:
-            return vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
-                                 adapter_version=self.adapter_version, eos_ids=self.eos_ids,
-                                 max_new_tokens=a.max_new_tokens, temperature=temperature,
-                                 top_p=top_p)
-        return hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
-                           eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
-                           temperature=temperature, top_p=top_p,
-                           batch_size=max(a.micro_batch_size, 64))
+            responses = vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
+                                      adapter_version=self.adapter_version, eos_ids=self.eos_ids,
+                                      max_new_tokens=a.max_new_tokens, temperature=temperature,
+                                      top_p=top_p)
+            return responses, None
+        record = temperature > 0 and top_p == 1
+        out = hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
+                          eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
+                          temperature=temperature, top_p=top_p,
+                          batch_size=max(a.micro_batch_size, 64), return_logprobs=record)
+        return out if record else (out, None)
 
 
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
@@ -685,8 +703,9 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     probability args.bc_noise a mistake is executed instead (see _perturb).
 
     Each trajectory: {"task_type", "group", "won", "rewards": [r_t], "steps": [{"prompt" (token
-    ids), "response_ids", "state" (raw observation = anchor text), "action" (executed), "valid"
-    (admissible, from the env), "well_formed" (see is_well_formed), "label"}]}.
+    ids), "response_ids", "logprobs" (of the response tokens as sampled, or None), "state" (raw
+    observation = anchor text), "action" (executed), "valid" (admissible, from the env),
+    "well_formed" (see is_well_formed), "label"}]}.
     seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
     seconds = defaultdict(float) if seconds is None else seconds
     expert = expert_rng is not None
@@ -705,14 +724,15 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
         seconds["prompts"] += time.perf_counter() - start
         start = time.perf_counter()
         if expert:
-            responses = [None] * len(active)
+            responses = logprobs = [None] * len(active)
             # An expert that gave up (label None) only looks around; BC skips those steps.
             labels = [games[i].expert_action() for i in active]
             commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise, expert_rng)
                         if label is not None else "look" for i, label in zip(active, labels)]
             well_formed = [True] * len(active)
         else:
-            responses = policy.generate(prompts, temperature, top_p)
+            responses, logprobs = policy.generate(prompts, temperature, top_p)
+            logprobs = logprobs or [None] * len(active)
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
             parsed = [parse_action(t) for t in texts]
             # No <action> tag: the env gets the reply's tail, which is never admissible.
@@ -728,7 +748,7 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             obs, reward, done, info = results[i]
             tr = trajs[i]
             tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
-                                "state": states[i], "action": commands[k],
+                                "logprobs": logprobs[k], "state": states[i], "action": commands[k],
                                 "valid": bool(info["valid"]), "well_formed": well_formed[k],
                                 "label": labels[k]})
             tr["rewards"].append(reward)
@@ -883,12 +903,13 @@ def pad_rows(rows: list[Tensor], length: int) -> Tensor:
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
                   generator: torch.Generator, iteration: int) -> dict:
-    """PPO over the step samples (prompt_ids, response_ids, advantage): old and reference log-probs
-    first, then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation."""
+    """PPO over the step samples (prompt_ids, response_ids, advantage, old_logprobs or None): the
+    old log-probs recorded at sampling time, else scored here, and the reference log-probs first,
+    then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
-    lengths = [len(p) + len(r) for p, r, _ in samples]
+    lengths = [len(p) + len(r) for p, r, _, _ in samples]
 
     def logprobs_no_grad(reference: bool) -> list[Tensor]:
         out: list[Tensor] = [torch.empty(0)] * len(samples)
@@ -904,7 +925,10 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
 
     model.eval()  # no dropout when scoring the rollout policy
     began = time.perf_counter()
-    old_logp = logprobs_no_grad(False)
+    if all(s[3] is not None for s in samples):
+        old_logp = [torch.tensor(s[3]) for s in samples]
+    else:
+        old_logp = logprobs_no_grad(False)
     seconds = {"old_logprobs": time.perf_counter() - began}
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
     began = time.perf_counter()
@@ -1003,7 +1027,7 @@ def main(args: Args) -> dict:
                          f"{len(train_tasks)} training tasks")
     eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
                   for split in args.eval_splits}
-    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny" else None
+    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
     print(json.dumps(asdict(args), indent=1))
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
@@ -1057,7 +1081,7 @@ def main(args: Args) -> dict:
         print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
               f"(final loss {stats['bc/loss']:.3f})")
         log(stats, 0)
-    if (args.bc_epochs > 0 or args.model == "tiny") and not args.resume:
+    if (args.bc_epochs > 0 or args.model == "tiny-scratch") and not args.resume:
         # The model RL starts from exists nowhere else: keep it beside the adapter.
         model.save_pretrained(base_path)
         tokenizer.save_pretrained(base_path)
@@ -1132,7 +1156,7 @@ def main(args: Args) -> dict:
         start = time.perf_counter()
         advantages = compute_advantages(args, trajs)
         seconds["advantages"] = time.perf_counter() - start
-        samples = [(s["prompt"], s["response_ids"], float(a))
+        samples = [(s["prompt"], s["response_ids"], float(a), s["logprobs"])
                    for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
         # (5, 6) old / reference log-probs and the clipped policy-gradient update.
         stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
@@ -1175,6 +1199,9 @@ def main(args: Args) -> dict:
                "final_success": history[max(history)][key],
                "best_success": max(h[key] for h in history.values() if key in h),
                "run_path": run_path}
+    with open(os.path.join(run_path, "summary.json"), "w") as f:  # what benchmarks/ read
+        json.dump({**summary, "evaluations": {str(k): v for k, v in sorted(history.items())}}, f,
+                  indent=1)
     start = summary["start_success"]
     start = "n/a (resumed)" if start is None else f"{start:.3f}"
     print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} (final), "

@@ -47,6 +47,32 @@ def _without_checkpoint_generation_config(model):
         inner.generation_config = saved
 
 
+class SampledLogprobs:
+    """A logits processor that keeps, for each drawn token, log softmax(logits / T)[token]:
+    the old log-probs PPO needs, without a second forward pass and with one (B, V) row in memory.
+
+    generate() applies custom processors before its temperature and top-p warpers, so the scores
+    seen here are the raw logits (every other processor is neutral, see sampling_config) and the
+    temperature is applied here. The token drawn from step t's scores is the last input id at step
+    t + 1; the final step's token is read by `finish`."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None
+        self.chosen: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.chosen.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """(B, L) generated ids -> (B, L) their log-probs."""
+        last = self.previous.gather(-1, new_tokens[:, -1:]).squeeze(-1)
+        return torch.stack([*self.chosen, last], dim=1)
+
+
 @torch.no_grad()
 def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[int],
                 max_new_tokens: int, temperature: float, top_p: float = 1.0,
@@ -54,15 +80,16 @@ def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[i
     """Response ids for each prompt, cut after the first eos (which is kept). temperature 0 =
     greedy. Sampling draws from torch's global generator, which --seed fixes.
 
-    With return_logprobs, also the log-probability of each response token under the distribution
-    it was drawn from (log_softmax of generate's processed scores; keeps every step's scores in
-    memory, so meant for checks, not for long rollouts)."""
+    With return_logprobs (sampling at temperature > 0 without top-p only), also the
+    log-probability of each response token under softmax(logits / temperature), the distribution
+    it was drawn from: (responses, logprobs), lists of equal lengths."""
+    if return_logprobs and (temperature <= 0 or top_p < 1):
+        raise ValueError("return_logprobs needs temperature > 0 and top_p == 1")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     config = sampling_config(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                              eos_ids=eos_ids, pad_id=pad_id)
-    config.output_scores = config.return_dict_in_generate = return_logprobs
     out: list[list[int]] = []
     logprobs: list[list[float]] = []
     for start in range(0, len(prompts), batch_size):
@@ -73,18 +100,17 @@ def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[i
         for i, p in enumerate(chunk):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
+        recorder = SampledLogprobs(temperature) if return_logprobs else None
         with _without_checkpoint_generation_config(model):
             generated = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                       generation_config=config)
-        seqs = generated.sequences if return_logprobs else generated
-        new_tokens = seqs[:, width:]
-        if return_logprobs:
-            scores = torch.stack(generated.scores, dim=1).float().log_softmax(-1)  # (B, L, V)
-            chosen = scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+                                       generation_config=config,
+                                       logits_processor=[recorder] if recorder else None)
+        new_tokens = generated[:, width:]
+        chosen = recorder.finish(new_tokens).cpu() if recorder else None
         for k, row in enumerate(new_tokens.tolist()):
             cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
             out.append(row[:cut])
-            if return_logprobs:
+            if recorder:
                 logprobs.append(chosen[k, :cut].tolist())
     model.train(was_training)
     return (out, logprobs) if return_logprobs else out

@@ -4,9 +4,12 @@
   * a local directory saved with save_pretrained,
   * a hub id ("Qwen/Qwen2.5-1.5B-Instruct"),
   * a bare Qwen name ("Qwen2.5-1.5B-Instruct" -> "Qwen/Qwen2.5-1.5B-Instruct"),
-  * "tiny": a 2-layer Qwen2 with random weights and a word-level tokenizer built here with the
-    `tokenizers` library over the environment's words, with a chat template. It needs no download
-    and is what the tests and the embedded default run.
+  * "tiny": the shipped start checkpoint assets/tiny-household (a 2-layer Qwen2 behavior-cloned on
+    the household expert; how it was built is in its README.md). It needs no download and is what
+    the embedded default starts from: the stand-in for an Instruct model.
+  * "tiny-scratch": the same architecture with random weights and a word-level tokenizer built here
+    with the `tokenizers` library over the environment's words, with a chat template (behavior
+    cloning must come first).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 
 from common import UsageError
 
+TINY_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "assets", "tiny-household")
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 # Kept as ordinary (decodable) tokens so that responses decode to "<action> go to desk 1 </action>".
 TINY_TAG_TOKENS = ["<think>", "</think>", "<action>", "</action>"]
@@ -77,6 +82,8 @@ def build_tiny_model(vocab_size: int, seed: int, hidden_size: int = 128, num_lay
 
 def resolve_model_name(name: str) -> list[str]:
     """Where `name` may be found, in the order tried: the local directory, then hub ids."""
+    if name == "tiny":
+        return [TINY_CHECKPOINT]
     if os.path.isdir(os.path.expanduser(name)):
         return [os.path.expanduser(name)]
     if "/" not in name and re.match(r"(?i)qwen", name):
@@ -86,16 +93,19 @@ def resolve_model_name(name: str) -> list[str]:
 
 def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, seed: int = 0,
                              dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model, tokenizer). `vocabulary` (the env's words) is needed only for "tiny"."""
-    if name == "tiny":
+    """(model, tokenizer). `vocabulary` (the env's words) is needed only for "tiny-scratch"."""
+    if name == "tiny-scratch":
         if not vocabulary:
-            raise UsageError("--model tiny needs the environment's vocabulary")
+            raise UsageError("--model tiny-scratch needs the environment's vocabulary")
         tokenizer = build_tiny_tokenizer(vocabulary)
         model = build_tiny_model(len(tokenizer), seed=seed)
         return model.to(device=device, dtype=dtype), tokenizer
 
     from transformers import AutoModelForCausalLM
 
+    if name == "tiny" and not os.path.isdir(TINY_CHECKPOINT):
+        raise UsageError(f"the shipped tiny model is missing ({TINY_CHECKPOINT}); restore it from "
+                         "git, or use --model tiny-scratch (random weights, behavior cloning)")
     errors = []
     for candidate in resolve_model_name(name):
         # Without a reachable hub, loading a hub id retries for about a minute before failing:
@@ -121,7 +131,7 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
     raise UsageError(f"cannot load model {name!r}. Tried:\n" + "\n".join(errors)
                      + "\nPass a local directory (a model saved with save_pretrained), a hub id "
                        "such as Qwen/Qwen2.5-1.5B-Instruct (needs the hub or a filled HF cache; "
-                       "HF_HUB_OFFLINE=1 uses the cache only), or 'tiny'.")
+                       "HF_HUB_OFFLINE=1 uses the cache only), 'tiny' or 'tiny-scratch'.")
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

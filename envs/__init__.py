@@ -53,9 +53,9 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False):
 
 
 def vocabulary(env_name: str) -> list[str]:
-    """Words of the environment's texts, for the locally built `tiny` tokenizer."""
+    """Words of the environment's texts, for the locally built `tiny-scratch` tokenizer."""
     _check(env_name)
     if env_name == "household":
         return household.vocabulary()
-    raise UsageError("--model tiny builds its tokenizer over the built-in household's words; "
+    raise UsageError("--model tiny-scratch builds its tokenizer over the built-in household's words; "
                      "for --env alfworld pass a real model, e.g. --model Qwen2.5-1.5B-Instruct")

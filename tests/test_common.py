@@ -23,7 +23,7 @@ VOCAB = envs.vocabulary("household") + PROMPT_WORDS
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=0)
+    return load_model_and_tokenizer("tiny-scratch", vocabulary=VOCAB, seed=0)
 
 
 def test_model_name_resolution(tmp_path):
@@ -54,10 +54,10 @@ def test_tiny_tokenizer_round_trip_and_chat_template(tiny):
     assert tok.unk_token_id not in tok(chat, add_special_tokens=False).input_ids
 
 
-def test_tiny_model_is_deterministic_per_seed():
-    a, _ = load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=3)
-    b, _ = load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=3)
-    c, _ = load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=4)
+def test_tiny_scratch_model_is_deterministic_per_seed():
+    a, _ = load_model_and_tokenizer("tiny-scratch", vocabulary=VOCAB, seed=3)
+    b, _ = load_model_and_tokenizer("tiny-scratch", vocabulary=VOCAB, seed=3)
+    c, _ = load_model_and_tokenizer("tiny-scratch", vocabulary=VOCAB, seed=4)
     pa, pb, pc = (next(m.parameters()) for m in (a, b, c))
     assert torch.equal(pa, pb) and not torch.equal(pa, pc)
 
@@ -90,7 +90,7 @@ def test_lora_save_load_and_merge(tiny, tmp_path):
     with model.disable_adapter():
         assert torch.allclose(model(ids).logits, reference, atol=1e-6)
     model.save_pretrained(tmp_path)
-    fresh, _ = load_model_and_tokenizer("tiny", vocabulary=VOCAB, seed=0)
+    fresh, _ = load_model_and_tokenizer("tiny-scratch", vocabulary=VOCAB, seed=0)
     reloaded = load_lora(fresh, str(tmp_path))
     assert torch.allclose(reloaded(ids).logits, tuned, atol=1e-5)
     merged = merge_lora(reloaded)
@@ -152,28 +152,42 @@ def test_hf_generate_greedy_is_deterministic_and_cut_at_eos(tiny):
 
 def test_sampling_ignores_the_checkpoint_generation_config(tiny):
     """A checkpoint's generation_config (Qwen2.5-Instruct ships repetition_penalty, top_k, top_p,
-    temperature) must not act during rollouts: the log-probs generate() sampled from equal the
-    log-probs PPO scores the same tokens with, softmax(logits / T)."""
+    temperature) must not act during rollouts. The log-probs recorded while sampling equal the
+    log-probs PPO scores the same tokens with, softmax(logits / T) (so no penalty or suppression
+    acted, and the recorder sees the logits it assumes), and a leaked top_k=1 / top_p=0.01 would
+    make every sample of one prompt the greedy one."""
     model, tok = tiny
     saved = model.generation_config
-    model.generation_config = type(saved)(repetition_penalty=3.0, top_k=3, top_p=0.5, temperature=0.2,
+    model.generation_config = type(saved)(repetition_penalty=3.0, top_k=1, top_p=0.01, temperature=0.2,
                                           no_repeat_ngram_size=1, suppress_tokens=list(range(10, 400)),
                                           do_sample=True)
+    prompt = tok("you arrive at desk 1 . on the desk 1 , you see a mug 1 .").input_ids
     try:
-        prompts = [tok("you arrive at desk 1 . on the desk 1 , you see a mug 1 .").input_ids,
-                   tok("nothing happens .").input_ids]
+        prompts = [prompt, tok("nothing happens .").input_ids]
         torch.manual_seed(0)
         responses, sampled_logp = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
                                               max_new_tokens=8, temperature=0.7, return_logprobs=True)
         torch.manual_seed(0)
         again = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
                             max_new_tokens=8, temperature=0.7)
+        copies = hf_generate(model, [prompt] * 16, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
+                             max_new_tokens=8, temperature=1.0)
     finally:
         model.generation_config = saved
     assert again == responses and all(len(r) == len(lp) for r, lp in zip(responses, sampled_logp))
+    assert max(len(r) for r in responses) == 8  # the random model rarely says eos: 8 steps recorded
     logp, _, _ = response_logprobs(model, prompts, responses, pad_id=tok.pad_token_id, temperature=0.7)
     for i, r in enumerate(responses):
         assert torch.allclose(logp[i, :len(r)], torch.tensor(sampled_logp[i]), atol=1e-4)
+    assert len({tuple(c) for c in copies}) > 8
+
+
+def test_recorded_logprobs_need_plain_sampling(tiny):
+    model, tok = tiny
+    for temperature, top_p in ((0.0, 1.0), (1.0, 0.9)):
+        with pytest.raises(ValueError, match="return_logprobs"):
+            hf_generate(model, [[5, 6]], pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
+                        max_new_tokens=2, temperature=temperature, top_p=top_p, return_logprobs=True)
 
 
 def test_eos_ids_are_the_tokenizer_and_generation_config_union(tiny):

@@ -11,7 +11,7 @@ from proxmo import PROMPT_WORDS, bc_loss
 
 @pytest.fixture(scope="module")
 def model():
-    m, _ = load_model_and_tokenizer("tiny", vocabulary=envs.vocabulary("household") + PROMPT_WORDS, seed=0)
+    m, _ = load_model_and_tokenizer("tiny-scratch", vocabulary=envs.vocabulary("household") + PROMPT_WORDS, seed=0)
     return m.eval()
 
 

@@ -11,11 +11,14 @@ import sys
 import pytest
 import torch
 
+from common.model import TINY_CHECKPOINT
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Small enough for seconds on 2 CPU cores; still BC -> eval -> rollouts -> update -> eval -> checkpoint.
-SMALL = ["--bc-num-tasks", "8", "--bc-epochs", "1", "--eval-num-tasks", "6", "--tasks-per-iteration", "2",
-         "--group-size", "3", "--max-episode-steps", "6", "--eval-every", "1", "--save-every", "1",
-         "--minibatch-size", "16"]
+# Small enough for seconds on 2 CPU cores; still eval -> rollouts -> update -> eval -> checkpoint.
+SMALL = ["--eval-num-tasks", "6", "--tasks-per-iteration", "2", "--group-size", "3", "--max-episode-steps", "6",
+         "--eval-every", "1", "--save-every", "1", "--minibatch-size", "16"]
+# The same from random weights, behavior cloning first.
+FROM_SCRATCH = ["--model", "tiny-scratch", "--bc-num-tasks", "8", "--bc-epochs", "1"]
 
 
 def run(args, tmp_path, expect=0):
@@ -28,12 +31,22 @@ def run(args, tmp_path, expect=0):
 
 @pytest.mark.parametrize("advantage", ["proxmo", "grpo", "gigpo"])
 def test_two_iterations(advantage, tmp_path):
-    out = run(["--advantage", advantage, "--iterations", "2", "--run-dir", str(tmp_path), *SMALL], tmp_path)
+    """grpo and gigpo start from the shipped model; proxmo from random weights and BC, whose
+    cloned model the run keeps beside the adapter."""
+    scratch = advantage == "proxmo"
+    out = run(["--advantage", advantage, "--iterations", "2", "--run-dir", str(tmp_path), *SMALL,
+               *(FROM_SCRATCH if scratch else [])], tmp_path)
     assert "[eval test @ iter 0]" in out.stdout and "[eval test @ iter 2]" in out.stdout
+    assert ("behavior cloning done" in out.stdout) == scratch
     (run_path,) = glob.glob(str(tmp_path / f"proxmo__household__{advantage}__1__*"))
-    for name in ("config.json", "checkpoint/adapter_config.json", "checkpoint/trainer_state.pt",
-                 "checkpoint/README.md", "base_model/config.json"):
+    for name in ("config.json", "summary.json", "checkpoint/adapter_config.json", "checkpoint/trainer_state.pt",
+                 "checkpoint/README.md"):
         assert os.path.isfile(os.path.join(run_path, name)), name
+    assert os.path.isdir(os.path.join(run_path, "base_model")) == scratch
+    with open(os.path.join(run_path, "summary.json")) as f:
+        summary = json.load(f)
+    assert sorted(summary["evaluations"]) == ["0", "1", "2"]
+    assert summary["final_success"] == summary["evaluations"]["2"]["eval_test/success"]
     (events,) = glob.glob(os.path.join(run_path, "events.out.tfevents.*"))
     with open(events, "rb") as f:
         logged = f.read()
@@ -46,11 +59,22 @@ def test_two_iterations(advantage, tmp_path):
              ("prompts", "generation", "env", "advantages", "old_logprobs", "ref_logprobs", "update")]
     for k in range(2):  # the breakdown of each iteration fits inside it
         assert all(p[k] >= 0 for p in parts) and sum(p[k] for p in parts) <= iteration[k]
+    base = os.path.join(run_path, "base_model") if scratch else TINY_CHECKPOINT
     with open(os.path.join(run_path, "checkpoint", "adapter_config.json")) as f:
-        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(os.path.join(run_path, "base_model"))
+        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(base)
     with open(os.path.join(run_path, "config.json")) as f:
         saved = json.load(f)
     assert saved["args"]["advantage"] == advantage and "proxmo.py" in saved["command"]
+
+
+def test_zero_iterations_only_evaluates_the_start(tmp_path):
+    out = run(["--iterations", "0", "--run-dir", str(tmp_path), *SMALL], tmp_path)
+    assert "[eval test @ iter 0]" in out.stdout and "rl 1/" not in out.stdout
+    (run_path,) = glob.glob(str(tmp_path / "proxmo__*"))
+    assert not os.path.exists(os.path.join(run_path, "checkpoint"))
+    with open(os.path.join(run_path, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["start_success"] == summary["final_success"] and list(summary["evaluations"]) == ["0"]
 
 
 def adapter_weights(run_path):
@@ -88,7 +112,8 @@ def test_resume_refuses_a_contradicting_flag(tmp_path):
 
 def test_log_file_output_is_plain_lines(tmp_path):
     """Not a terminal: no carriage returns, BC and RL progress as plain lines; --group-size 1 warns."""
-    out = run(["--iterations", "1", "--run-dir", str(tmp_path), *SMALL, "--group-size", "1"], tmp_path)
+    out = run(["--iterations", "1", "--run-dir", str(tmp_path), *SMALL, *FROM_SCRATCH, "--group-size", "1"],
+              tmp_path)
     assert "\r" not in out.stdout
     assert re.search(r"^bc \d+/\d+ \[\d+s\] loss=\S+$", out.stdout, re.MULTILINE)
     assert re.search(r"^rl 1/1 \[\d+s\] success=\S+ grounding=\S+", out.stdout, re.MULTILINE)
@@ -97,7 +122,7 @@ def test_log_file_output_is_plain_lines(tmp_path):
 
 
 def test_same_seed_same_run(tmp_path):
-    outs = [run(["--iterations", "1", "--run-dir", str(tmp_path / str(k)), *SMALL], tmp_path).stdout
+    outs = [run(["--iterations", "1", "--run-dir", str(tmp_path / str(k)), *SMALL, *FROM_SCRATCH], tmp_path).stdout
             for k in range(2)]
     evals = [re.findall(r"\[eval test @ iter (\d+)\] success (\S+) grounding (\S+) \(([^)]*)\)", o) for o in outs]
     assert len(evals[0]) == 2 and evals[0] == evals[1]
@@ -114,7 +139,8 @@ def test_help_lists_the_flags(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--env", "webshop"], "webshop"),
     (["--model", "Qwen-no-such-model-0B", "--bc-epochs", "0"], "cannot load model"),
-    (["--env", "alfworld"], "alfworld-download"),
+    (["--env", "alfworld"], "--model tiny knows only the household's words"),
+    (["--env", "alfworld", "--model", "Qwen2.5-0.5B-Instruct"], "alfworld-download"),
     (["--backend", "vllm", "--device", "cpu"], "needs a CUDA GPU"),
     (["--resume", "/nonexistent/run"], "no such run directory"),
     (["--rollout-temperature", "0"], "must be > 0"),

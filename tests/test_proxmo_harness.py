@@ -23,7 +23,7 @@ HISTORY = [("You arrive at shelf 1. On the shelf 1, you see nothing.", "go to sh
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model_and_tokenizer("tiny", vocabulary=envs.vocabulary("household") + PROMPT_WORDS, seed=0)
+    return load_model_and_tokenizer("tiny-scratch", vocabulary=envs.vocabulary("household") + PROMPT_WORDS, seed=0)
 
 
 def prompt_with(tokenizer, history_length):
@@ -61,7 +61,7 @@ def test_a_nan_update_stops_before_the_weights_change(tiny):
     try:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        samples = [([5, 6, 7], [8, 9], float("nan")), ([5, 7], [9], 1.0)]
+        samples = [([5, 6, 7], [8, 9], float("nan"), None), ([5, 7], [9], 1.0, None)]
         with pytest.raises(FloatingPointError, match="iteration 3.*non-finite loss"):
             policy_update(Args(micro_batch_size=4, minibatch_size=4), model, tok, optimizer, samples,
                           torch.Generator().manual_seed(0), iteration=3)
@@ -70,6 +70,41 @@ def test_a_nan_update_stops_before_the_weights_change(tiny):
                 assert torch.equal(p, before[n]), n
     finally:
         model.unload()
+
+
+def test_recorded_old_logprobs_give_the_update_of_scored_ones(tiny):
+    """The old log-probs the hf backend records while sampling replace the scoring pass: the same
+    batch gives the same loss and the same new LoRA weights either way (to float tolerance)."""
+    base, tok = tiny
+    args = Args(micro_batch_size=3, minibatch_size=4, ppo_epochs=2, rollout_temperature=0.8)
+    prompts = [chat_ids(tok, build_prompt(TASK, HISTORY[:k], OBS, ADMISSIBLE, k + 1, 1, False))
+               for k in range(6)]
+    model = add_lora(base, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    try:
+        start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        torch.manual_seed(0)
+        responses, logprobs = Policy(args, model, tok).generate(prompts, args.rollout_temperature)
+        assert all(len(r) == len(lp) for r, lp in zip(responses, logprobs))
+        results = []
+        for recorded in (logprobs, [None] * len(prompts)):
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(start[n])
+            samples = [(p, r, (-1.0) ** k, lp) for k, (p, r, lp) in enumerate(zip(prompts, responses, recorded))]
+            # SGD: Adam's first steps are sign-like and would amplify float noise in tiny gradients.
+            optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+            stats = policy_update(args, model, tok, optimizer, samples, torch.Generator().manual_seed(0), 1)
+            weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            results.append((stats, weights))
+    finally:
+        model.unload()
+    (recorded_stats, recorded_weights), (scored_stats, scored_weights) = results
+    assert recorded_stats["train/loss"] == pytest.approx(scored_stats["train/loss"], abs=1e-5)
+    assert recorded_stats["train/loss"] != 0
+    for n, w in scored_weights.items():
+        assert not torch.equal(w, start[n]) or "lora_B" not in n  # the update moved the adapter
+        assert torch.allclose(recorded_weights[n], w, atol=1e-5), n
 
 
 def test_policy_generates_until_any_eos_of_the_generation_config(tiny):
@@ -84,7 +119,12 @@ def test_policy_generates_until_any_eos_of_the_generation_config(tiny):
 
 def test_presets_follow_the_model():
     tiny = parse_args([])
-    assert (tiny.iterations, tiny.bc_epochs, tiny.reasoning, tiny.eval_splits) == (8, 3, False, ("test",))
+    assert (tiny.model, tiny.bc_epochs, tiny.reasoning, tiny.eval_splits) == ("tiny", 0, False, ("test",))
+    scratch = parse_args(["--model", "tiny-scratch"])
+    assert (scratch.bc_epochs, scratch.bc_full_params, scratch.iterations) == (3, True, tiny.iterations)
+    for tiny_model in ("tiny", "tiny-scratch"):
+        errors = validate_args(parse_args(["--env", "alfworld", "--model", tiny_model]))
+        assert any(e.startswith(f"--model {tiny_model} knows only the household") for e in errors)
     real = parse_args(["--model", "Qwen2.5-1.5B-Instruct", "--env", "alfworld"])
     assert (real.iterations, real.bc_epochs, real.reasoning, real.learning_rate) == (150, 0, True, 1e-5)
     assert real.eval_splits == ("valid_unseen", "valid_seen")
