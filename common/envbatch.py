@@ -22,7 +22,8 @@ class EnvBatch:
         return [i for i, d in enumerate(self.done) if not d]
 
     def step(self, actions: dict[int, str]) -> dict[int, tuple[str, float, bool, dict]]:
-        """Step game i with actions[i] for every running i; returns {i: (obs, reward, done, info)}."""
+        """Step game i with actions[i] for every running i; returns
+        {i: (obs, reward, done, info)}."""
         results = {}
         for i, command in actions.items():
             if self.done[i]:

@@ -29,10 +29,11 @@ from common import UsageError
 TINY_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                "assets", "tiny-household")
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
-# Kept as ordinary (decodable) tokens so that responses decode to "<action> go to desk 1 </action>".
+# Kept as ordinary (decodable) tokens: responses decode to "<action> go to desk 1 </action>".
 TINY_TAG_TOKENS = ["<think>", "</think>", "<action>", "</action>"]
 TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -46,7 +47,8 @@ def build_tiny_tokenizer(words: list[str]):
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab_words = set(words) | {str(i) for i in range(100)} | set(string.ascii_lowercase) | set(string.punctuation)
+    vocab_words = (set(words) | {str(i) for i in range(100)} | set(string.ascii_lowercase)
+                   | set(string.punctuation))
     vocab_words |= {"user", "assistant", "system"}
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_TAG_TOKENS)}
     for w in sorted(vocab_words - set(vocab)):
@@ -54,8 +56,10 @@ def build_tiny_tokenizer(words: list[str]):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.Lowercase()
     # Keep runs of word characters and single punctuation marks; drop the white space between them.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]"), behavior="removed", invert=True)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<|endoftext|>",
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]"), behavior="removed",
+                                             invert=True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                        pad_token="<|endoftext|>",
                                         eos_token="<|im_end|>",
                                         additional_special_tokens=["<|im_start|>"])
     tokenizer.add_tokens(TINY_TAG_TOKENS)
@@ -70,9 +74,11 @@ def build_tiny_model(vocab_size: int, seed: int, hidden_size: int = 128, num_lay
     sooner than 4 (measured: 61% vs 7% exact `move` actions after 150 s of BC)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                         num_hidden_layers=num_layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size,
+                         intermediate_size=4 * hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         rope_theta=10000.0)
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -171,12 +177,13 @@ def _load_tokenizer(path: str, local_files_only: bool = False):
     config_file = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(config_file):
         with open(config_file) as f:
-            if json.load(f).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            saved_class = json.load(f).get("tokenizer_class")
+            if saved_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
                 return PreTrainedTokenizerFast.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path, local_files_only=local_files_only)
 
 
-# ---- LoRA ------------------------------------------------------------------------------------------
+# ---- LoRA ---------------------------------------------------------------------------------------
 def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str | list[str]):
     """Wrap `model` with a fresh trainable LoRA adapter; only adapter weights require grad."""
     from peft import LoraConfig, get_peft_model
@@ -200,7 +207,7 @@ def merge_lora(model):
     return model.merge_and_unload()
 
 
-# ---- log-probabilities -------------------------------------------------------------------------------
+# ---- log-probabilities --------------------------------------------------------------------------
 def pad_prompt_response(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
     """Left-pad prompts to P and right-pad responses to R, so every response starts at column P.
 
@@ -225,7 +232,8 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     temperature): the distribution the responses were sampled from.
 
     Returns (logp (B, R), mask (B, R), entropy (B, R) or None); R = longest response. Only the
-    logits of response positions are materialised (logits_to_keep), which matters for 150k vocabs."""
+    logits of response positions are materialised (logits_to_keep), which matters for 150k
+    vocabs."""
     device = next(model.parameters()).device
     input_ids, attention, position_ids, targets, mask = (
         t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))

@@ -17,7 +17,8 @@ from envs import alfworld_env, household
 ENV_NAMES = ("household", "alfworld")
 TASK_TYPES = household.TASK_TYPES  # ALFWorld's six type names, shared by both environments
 SHORT_TYPE_NAMES = {"pick_and_place_simple": "pick", "look_at_obj_in_light": "look",
-                    "pick_clean_then_place_in_recep": "clean", "pick_heat_then_place_in_recep": "heat",
+                    "pick_clean_then_place_in_recep": "clean",
+                    "pick_heat_then_place_in_recep": "heat",
                     "pick_cool_then_place_in_recep": "cool", "pick_two_obj_and_place": "pick2"}
 SPLITS = {"household": household.SPLITS, "alfworld": alfworld_env.SPLITS}
 TRAIN_SPLIT = {"household": "train", "alfworld": "train"}
@@ -28,7 +29,8 @@ EVAL_SPLITS = {"household": ("test",), "alfworld": ("valid_unseen", "valid_seen"
 
 def _check(env_name: str) -> None:
     if env_name not in ENV_NAMES:
-        raise UsageError(f"unknown environment {env_name!r}; choose one of: {', '.join(ENV_NAMES)}")
+        raise UsageError(f"unknown environment {env_name!r}; choose one of: "
+                         f"{', '.join(ENV_NAMES)}")
 
 
 def list_tasks(env_name: str, split: str, num_tasks: int | None = None) -> list:
@@ -57,5 +59,6 @@ def vocabulary(env_name: str) -> list[str]:
     _check(env_name)
     if env_name == "household":
         return household.vocabulary()
-    raise UsageError("--model tiny-scratch builds its tokenizer over the built-in household's words; "
-                     "for --env alfworld pass a real model, e.g. --model Qwen2.5-1.5B-Instruct")
+    raise UsageError("--model tiny-scratch builds its tokenizer over the built-in household's "
+                     "words; for --env alfworld pass a real model, e.g. --model "
+                     "Qwen2.5-1.5B-Instruct")

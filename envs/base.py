@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 def begin_step(game, command: str) -> tuple[str, bool]:
-    """Count a step of `game` (which has won, steps, max_steps, admissible_actions()) and return the
-    normalised command (lowercase, single spaces) and whether it is admissible."""
+    """Count a step of `game` (which has won, steps, max_steps, admissible_actions()) and return
+    the normalised command (lowercase, single spaces) and whether it is admissible."""
     if game.won or game.steps >= game.max_steps:
         raise RuntimeError("step() called on a finished game; call reset() first")
     game.steps += 1

@@ -216,7 +216,8 @@ def generate_task(seed: int, task_type: str | None = None) -> Task:
         target = rng.choice(candidates)
 
         # The target object (two or three of it for pick-two, else one or two) plus distractors.
-        counts = {target: rng.randint(2, 3) if task_type == "pick_two_obj_and_place" else rng.randint(1, 2)}
+        pick_two = task_type == "pick_two_obj_and_place"
+        counts = {target: rng.randint(2, 3) if pick_two else rng.randint(1, 2)}
         for o in rng.sample(list(places), k=min(6, len(places))):
             if o not in counts and places[o]:
                 counts[o] = rng.randint(1, 2)
@@ -314,7 +315,8 @@ class HouseholdEnv:
                 acts.append(f"close {r}" if self.is_open[r] else f"open {r}")
             if self.is_open[r]:
                 if not self.holding:
-                    acts += [f"take {o} from {r}" for o in self.contents[r] if _kind(o) != "desklamp"]
+                    acts += [f"take {o} from {r}" for o in self.contents[r]
+                             if _kind(o) != "desklamp"]
                 else:
                     acts.append(f"move {self.holding} to {r}")
             if self.holding:
@@ -336,7 +338,8 @@ class HouseholdEnv:
         t = self.task
         if t.task_type == "look_at_obj_in_light":
             return self.lamp_on and _kind(self.holding) == t.target_object
-        need = {"pick_clean_then_place_in_recep": self.clean, "pick_heat_then_place_in_recep": self.hot,
+        need = {"pick_clean_then_place_in_recep": self.clean,
+                "pick_heat_then_place_in_recep": self.hot,
                 "pick_cool_then_place_in_recep": self.cool}.get(t.task_type)
         for r, objs in self.contents.items():
             if _kind(r) != t.target_receptacle:
@@ -389,7 +392,9 @@ class HouseholdEnv:
                 f" the {r}, you see {_see_list(self.contents[r])}." if self.is_open[r]
                 else f" {r} is closed.")
         if c == "inventory":
-            return f"You are carrying: a {self.holding}." if self.holding else "You are not carrying anything."
+            if self.holding:
+                return f"You are carrying: a {self.holding}."
+            return "You are not carrying anything."
         if c == "look":
             where = f"facing the {r}" if r else f"in the middle of a {ROOM_NAMES[self.task.room]}"
             return f"You are {where}. Next to it, you see nothing."
@@ -409,15 +414,19 @@ class HouseholdEnv:
         want = t.target_object
         if self.holding:
             if _kind(self.holding) != want:                 # drop a wrong object right here
-                return f"move {self.holding} to {here}" if here and self.is_open[here] else self._explore()
+                if here and self.is_open[here]:
+                    return f"move {self.holding} to {here}"
+                return self._explore()
             if t.task_type == "look_at_obj_in_light":
-                spot = next((r for r in t.receptacles if t.lamp in self.contents[r] and r in self.seen), "")
+                spot = next((r for r in t.receptacles
+                             if t.lamp in self.contents[r] and r in self.seen), "")
                 if not spot:
                     return self._explore(lamp=True)
                 return f"use {t.lamp}" if here == spot else f"go to {spot}"
-            step = {"pick_clean_then_place_in_recep": ("clean", "sinkbasin", self.clean),
-                    "pick_heat_then_place_in_recep": ("heat", "microwave", self.hot),
-                    "pick_cool_then_place_in_recep": ("cool", "fridge", self.cool)}.get(t.task_type)
+            steps = {"pick_clean_then_place_in_recep": ("clean", "sinkbasin", self.clean),
+                     "pick_heat_then_place_in_recep": ("heat", "microwave", self.hot),
+                     "pick_cool_then_place_in_recep": ("cool", "fridge", self.cool)}
+            step = steps.get(t.task_type)
             if step and self.holding not in step[2]:
                 verb, kind, _ = step
                 if _kind(here) == kind:
@@ -462,7 +471,7 @@ class HouseholdEnv:
         return "look"  # everything seen: cannot happen for generated tasks
 
 
-# ---- task sets -----------------------------------------------------------------------------------
+# ---- task sets ----------------------------------------------------------------------------------
 SPLITS = ("train", "valid", "test")
 _FINGERPRINTS: dict[str, set] = {}
 
@@ -503,10 +512,10 @@ def task_seeds(split: str, num_tasks: int | None = None) -> list[int]:
 
 def vocabulary() -> list[str]:
     """Every word the household can print or accept, for building a word-level tokenizer."""
-    words = set("you are in the middle of a looking quickly around see your task is to arrive at on "
-                "it closed open close take from move use turn heat cool clean using with pick up "
-                "nothing happens carrying not anything inventory look examine go facing next and "
-                "put some two find them hot desklamp under".split())
+    words = set("you are in the middle of a looking quickly around see your task is to arrive at "
+                "on it closed open close take from move use turn heat cool clean using with pick "
+                "up nothing happens carrying not anything inventory look examine go facing next "
+                "and put some two find them hot desklamp under".split())
     for room in ROOM_LAYOUTS:
         words |= set(ROOM_NAMES[room].split())
         words |= {k for k, _, _ in ROOM_LAYOUTS[room]}
