@@ -14,6 +14,7 @@ Run:
     python proxmo.py                        # tiny model, built-in household, CPU, minutes
     python proxmo.py --advantage grpo       # the GRPO baseline on the same harness
     python proxmo.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the paper's
+    accelerate launch --multi_gpu --num_processes 8 proxmo.py --env alfworld ...  # data parallel
 
 Sections: 1 arguments, 2 prompts and parsing, 3 ProxMO advantages, 4 GRPO/GiGPO baselines,
 5 policy loss, 6 rollouts, 7 behavior cloning, 8 evaluation, 9 training loop.
@@ -35,7 +36,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal
 
 import numpy as np
+
+# Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
+# longer on 2 idle cores, half as long next to one busy process (README, "The default run"). An
+# OMP_WAIT_POLICY of your own wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast, broadcast_object_list, gather_object, reduce
 from torch import Tensor
 
 import envs
@@ -55,7 +63,8 @@ class Args:
     Defaults marked [preset: tiny X | real Y] depend on --model: a value that trains in minutes
     on 2 CPU cores with `--model tiny` (or tiny-scratch), the paper's (or the authors' scripts')
     value with a real model. --help shows the defaults of the --model it is given. The resolved
-    values are printed."""
+    values are printed. For data parallel, launch it with accelerate (README, "More than one
+    device")."""
 
     exp_name: str = "proxmo"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -665,11 +674,14 @@ class Policy:
         self.adapter_path, self.adapter_version = "", 0
 
     def sync(self, run_path: str) -> None:
-        """vLLM reads the adapter from disk: write the current one under a new version id."""
+        """vLLM reads the adapter from disk: write the current one under a new version id (one
+        process writes it, every process has the same weights)."""
         if self.engine is not None:
             self.adapter_version += 1
             self.adapter_path = os.path.join(run_path, "vllm_adapter")
-            self.model.save_pretrained(self.adapter_path)
+            if PartialState().is_main_process:
+                self.model.save_pretrained(self.adapter_path)
+            PartialState().wait_for_everyone()
 
     def generate(self, prompts: list[list[int]], temperature: float,
                  top_p: float = 1.0) -> tuple[list[list[int]], list | None]:
@@ -861,24 +873,56 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
 # ---- 8. Evaluation ------------------------------------------------------------------------------
 def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy (share of admissible
-    actions)."""
+    actions). With several processes each plays its share of the tasks; the stats are of all."""
+    dist = PartialState()
+    share = process_share(len(tasks), dist.process_index, dist.num_processes)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
-        trajs = rollout(args, policy.tokenizer, policy, tasks, list(range(len(tasks))),
+        trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
                         args.eval_temperature, args.eval_top_p)
+    trajs = gather_object([summarize(t) for t in trajs])
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:
         by_type[t["task_type"]].append(t["won"])
     steps = [s for t in trajs for s in t["steps"]]
     stats = {f"eval_{split}/success": float(np.mean([t["won"] for t in trajs])),
              f"eval_{split}/grounding": float(np.mean([s["valid"] for s in steps])),
-             f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs]))}
+             f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
+             f"eval_{split}/tasks": len(trajs)}
     for task_type, wins in sorted(by_type.items()):
         stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
     return stats
 
 
 # ---- 9. Training loop ---------------------------------------------------------------------------
+# Data parallel (`accelerate launch --num_processes K proxmo.py ...`): every process holds the same
+# policy, plays a contiguous share of each iteration's task groups (a group never straddles two
+# processes) and of the evaluation tasks, and sums its gradients with the others' before every
+# optimizer step. `python proxmo.py` is one process, and none of this communicates.
+def process_share(n: int, index: int, count: int) -> range:
+    """The contiguous block of range(n) that process `index` of `count` takes (sizes differ by at
+    most one; in process order the blocks are range(n))."""
+    return range(n * index // count, n * (index + 1) // count)
+
+
+def summarize(traj: dict) -> dict:
+    """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
+    steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
+    return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
+
+
+def sum_across_processes(params: list[Tensor], loss: float) -> float:
+    """Replace each parameter's gradient by its sum over processes (one all-reduce), and return
+    the summed loss. Each process's loss is already divided by the mini-batch's token count over
+    all processes, so the sums are the token-mean of the whole mini-batch."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    loss_row = torch.tensor([loss], device=grads[0].device)
+    flat = reduce(torch.cat([g.float().flatten() for g in grads] + [loss_row]), "sum")
+    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+        p.grad = g.view_as(p).to(p.dtype)
+    return flat[-1].item()
+
+
 def check_finite(where: str, **values: float) -> None:
     """Stop the run, before the optimizer step, when a loss or gradient norm is NaN or inf."""
     bad = {k: v for k, v in values.items() if not math.isfinite(v)}
@@ -905,8 +949,16 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
                   generator: torch.Generator, iteration: int) -> dict:
     """PPO over the step samples (prompt_ids, response_ids, advantage, old_logprobs or None): the
     old log-probs recorded at sampling time, else scored here, and the reference log-probs first,
-    then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation."""
+    then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation.
+
+    With several processes, `samples` is this process's share, in process order, of one batch:
+    the mini-batches are drawn from the whole batch exactly as one process would draw them, each
+    process computes the gradient of its members, and the sum over processes is the update."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
+    dist = PartialState()
+    # Every response length of the batch, so each process knows a mini-batch's token count.
+    all_lengths = gather_object([len(s[1]) for s in samples])
+    first = sum(gather_object([len(samples)])[:dist.process_index])  # batch index of samples[0]
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
     lengths = [len(p) + len(r) for p, r, _, _ in samples]
@@ -939,10 +991,11 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
     for epoch in range(args.ppo_epochs):
-        order = torch.randperm(len(samples), generator=generator).tolist()
+        order = torch.randperm(len(all_lengths), generator=generator).tolist()
         for start in range(0, len(order), args.minibatch_size):
-            mini = order[start:start + args.minibatch_size]
-            n_tokens = sum(len(samples[i][1]) for i in mini)
+            members = order[start:start + args.minibatch_size]  # indices into the whole batch
+            n_tokens = sum(all_lengths[i] for i in members)
+            mini = [i - first for i in members if first <= i < first + len(samples)]
             optimizer.zero_grad(set_to_none=True)
             minibatch_loss = 0.0
             # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
@@ -967,6 +1020,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
                     if args.kl_coef > 0:  # else `ref` is the rollout policy, not the reference
                         kl = (k3_kl(ref, logp, mask) * mask).sum() / mask.sum()
                         stats["kl_ref"].append(kl.item())
+            if dist.num_processes > 1:
+                minibatch_loss = sum_across_processes(params, minibatch_loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
             check_finite(f"iteration {iteration}, PPO epoch {epoch + 1}, mini-batch at {start}",
                          loss=minibatch_loss, grad_norm=grad_norm)
@@ -974,7 +1029,11 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
             stats["grad_norm"].append(grad_norm)
             optimizer.step()
     seconds["update"] = time.perf_counter() - began
-    out = {f"train/{k}": float(np.mean(v)) for k, v in stats.items()}
+    means = {k: float(np.mean(v)) for k, v in stats.items()}
+    if dist.num_processes > 1:  # loss and grad_norm are equal everywhere; the rest are local
+        means = {k: reduce(torch.tensor(v, device=dist.device), "mean").item()
+                 for k, v in means.items()}
+    out = {f"train/{k}": v for k, v in means.items()}
     out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
     return out
 
@@ -1006,8 +1065,21 @@ policy = load_lora(model, "{os.path.abspath(path)}")
 
 def main(args: Args) -> dict:
     errors = validate_args(args)
+    # One process, or one of those `accelerate launch` started (gloo between CPU processes).
+    dist = PartialState(cpu=args.device == "cpu")
+    if dist.num_processes > 1:
+        if args.tasks_per_iteration % dist.num_processes:
+            errors.append(f"--tasks-per-iteration {args.tasks_per_iteration} must be a multiple "
+                          f"of the {dist.num_processes} processes (whole groups per process)")
+        if args.bc_epochs > 0 and not args.resume:
+            errors.append("behavior cloning runs in one process: run `python proxmo.py ... "
+                          "--iterations 0` once, then launch RL with --model <its run>/base_model")
+        if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
+            errors.append("--backend vllm runs in one process; with several, use --backend hf")
     if errors:
         raise UsageError("\n".join(errors))
+    if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
+        sys.stdout = open(os.devnull, "w")
     if args.group_size == 1:
         print("warning: --group-size 1: every episode advantage is 0 (a group of one has no "
               "baseline); only step advantages remain", file=sys.stderr)
@@ -1017,6 +1089,7 @@ def main(args: Args) -> dict:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
     run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
+    run_name = broadcast_object_list([run_name])[0]  # the main process's clock names the run
     run_path = args.resume or os.path.join(args.run_dir, run_name)
     checkpoint = os.path.join(run_path, "checkpoint")
     if args.resume and not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
@@ -1035,35 +1108,42 @@ def main(args: Args) -> dict:
     base_path = os.path.join(run_path, "base_model")
     resumed_base = args.resume and os.path.isdir(base_path)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    # Several processes on GPUs: each its own (cuda:<local rank>), as accelerate assigned it.
+    device = str(dist.device) if dist.num_processes > 1 and args.device != "cpu" else args.device
     model, tokenizer = load_model_and_tokenizer(base_path if resumed_base else args.model,
                                                 vocabulary=vocab, seed=args.seed, dtype=dtype,
-                                                device=args.device)
-    # Only now the run directory: a run stopped by bad flags or missing data leaves nothing.
-    os.makedirs(run_path, exist_ok=True)
-    config_file = os.path.join(run_path, "config.json")
-    command = shlex.join([sys.executable, *sys.argv])
-    record = {"command": command, "args": asdict(args), "resumed_by": []}
-    if args.resume:  # keep the first command; a raised --iterations holds for later resumes
-        with open(config_file) as f:
-            record = {**json.load(f), "args": asdict(args)}
-        record["resumed_by"] = record.get("resumed_by", []) + [command]
-    with open(config_file, "w") as f:
-        json.dump(record, f, indent=1)
+                                                device=device)
+    # Only now the run directory: a run stopped by bad flags or missing data leaves nothing. The
+    # main process alone writes the run directory's config, logs, checkpoints and summary.
+    writer = None
+    if dist.is_main_process:
+        os.makedirs(run_path, exist_ok=True)
+        config_file = os.path.join(run_path, "config.json")
+        command = shlex.join([sys.executable, *sys.argv])
+        record = {"command": command, "args": asdict(args), "resumed_by": [],
+                  "num_processes": dist.num_processes}
+        if args.resume:  # keep the first command; a raised --iterations holds for later resumes
+            with open(config_file) as f:
+                record = {**json.load(f), "args": asdict(args)}
+            record["resumed_by"] = record.get("resumed_by", []) + [command]
+        with open(config_file, "w") as f:
+            json.dump(record, f, indent=1)
 
-    if args.track:
-        import wandb
+        if args.track:
+            import wandb
 
-        wandb.init(project=args.wandb_project, name=os.path.basename(run_path),
-                   config=asdict(args), dir=run_path, sync_tensorboard=True)
-    from torch.utils.tensorboard import SummaryWriter
+            wandb.init(project=args.wandb_project, name=os.path.basename(run_path),
+                       config=asdict(args), dir=run_path, sync_tensorboard=True)
+        from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(run_path)
-    writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
-        f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
+        writer = SummaryWriter(run_path)
+        writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
+            f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
 
     def log(stats: dict, step: int) -> None:
         for k, v in stats.items():
-            writer.add_scalar(k, v, step)
+            if writer is not None:
+                writer.add_scalar(k, v, step)
 
     targets = args.lora_target_modules
     if targets != "all-linear":
@@ -1083,8 +1163,10 @@ def main(args: Args) -> dict:
         log(stats, 0)
     if (args.bc_epochs > 0 or args.model == "tiny-scratch") and not args.resume:
         # The model RL starts from exists nowhere else: keep it beside the adapter.
-        model.save_pretrained(base_path)
-        tokenizer.save_pretrained(base_path)
+        if dist.is_main_process:
+            model.save_pretrained(base_path)
+            tokenizer.save_pretrained(base_path)
+        dist.wait_for_everyone()
     if os.path.isdir(base_path):
         base_model = os.path.abspath(base_path)
     else:
@@ -1094,6 +1176,13 @@ def main(args: Args) -> dict:
     else:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
     model.print_trainable_parameters()
+    if dist.num_processes > 1:
+        for p in model.parameters():
+            if p.requires_grad:  # the same start everywhere, whatever each device's init did
+                broadcast(p.data, from_process=0)
+        # Each process samples its own draws; process 0 continues the one-process stream.
+        if dist.process_index > 0:
+            torch.manual_seed(args.seed + 100_003 * dist.process_index)
 
     engine = None
     if args.backend == "vllm":
@@ -1112,11 +1201,16 @@ def main(args: Args) -> dict:
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
         task_rng.setstate(state["task_rng"])
-        random.setstate(state["python_rng"])
-        np.random.set_state(state["numpy_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        if torch.cuda.is_available() and state["cuda_rng"]:
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        if len(state["streams"]) != dist.num_processes:
+            raise UsageError(f"--resume {args.resume}: saved by {len(state['streams'])} "
+                             f"processes, resumed by {dist.num_processes}; their random streams "
+                             "continue only with as many processes")
+        streams = state["streams"][dist.process_index]
+        random.setstate(streams["python"])
+        np.random.set_state(streams["numpy"])
+        torch.set_rng_state(streams["torch"])
+        if torch.cuda.is_available() and streams["cuda"]:
+            torch.cuda.set_rng_state_all(streams["cuda"])
         start_iteration, history = state["iteration"], state["history"]
         if start_iteration >= args.iterations:
             raise UsageError(f"--resume {args.resume}: the run already did {start_iteration} "
@@ -1146,27 +1240,31 @@ def main(args: Args) -> dict:
         # (1) B tasks x N copies, (2) lock-step rollouts, (3) 0/1 outcomes.
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         policy.sync(run_path)
-        tasks = [t for t in batch_tasks for _ in range(args.group_size)]
-        groups = [g for g in range(len(batch_tasks)) for _ in range(args.group_size)]
+        my_groups = process_share(len(batch_tasks), dist.process_index, dist.num_processes)
+        tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
+        groups = [g for g in my_groups for _ in range(args.group_size)]
         seconds = defaultdict(float)
         trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
                         seconds=seconds)
         rollout_seconds = time.time() - t0
-        # (4) advantages, one scalar per step.
+        # (4) advantages, one scalar per step, computed over the whole batch (ProxMO fits its
+        # TF-IDF on every anchor text of the batch); each process keeps those of its trajectories.
         start = time.perf_counter()
-        advantages = compute_advantages(args, trajs)
+        batch = gather_object([summarize(t) for t in trajs])
+        first = my_groups.start * args.group_size
+        advantages = compute_advantages(args, batch)[first:first + len(trajs)]
         seconds["advantages"] = time.perf_counter() - start
         samples = [(s["prompt"], s["response_ids"], float(a), s["logprobs"])
                    for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
         # (5, 6) old / reference log-probs and the clipped policy-gradient update.
         stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
         n_tokens = sum(len(s[1]) for s in samples)
-        steps = [s for tr in trajs for s in tr["steps"]]
-        stats.update({"rollout/success": float(np.mean([t["won"] for t in trajs])),
+        steps = [s for tr in batch for s in tr["steps"]]
+        stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
                       "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
                       "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
-                      "rollout/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
-                      "rollout/step_samples": len(samples),
+                      "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+                      "rollout/step_samples": len(steps),
                       "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
                       "time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0,
@@ -1183,15 +1281,21 @@ def main(args: Args) -> dict:
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)
         if iteration % args.save_every == 0 or iteration == args.iterations:
-            cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-            save_checkpoint(checkpoint, model, base_model, args, iteration, {
-                "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                "task_rng": task_rng.getstate(), "python_rng": random.getstate(),
-                "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state(),
-                "cuda_rng": cuda_rng, "iteration": iteration, "history": history})
+            # Each process's own random streams, so that a resume continues every one of them.
+            streams = gather_object([{
+                "python": random.getstate(), "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}])
+            if dist.is_main_process:
+                save_checkpoint(checkpoint, model, base_model, args, iteration, {
+                    "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                    "task_rng": task_rng.getstate(), "streams": streams,
+                    "iteration": iteration, "history": history})
+            dist.wait_for_everyone()
     progress.close()
-    writer.close()
-    if args.track:
+    if writer is not None:
+        writer.close()
+    if args.track and dist.is_main_process:
         wandb.finish()
     headline = args.eval_splits[0]
     key = f"eval_{headline}/success"
@@ -1199,9 +1303,10 @@ def main(args: Args) -> dict:
                "final_success": history[max(history)][key],
                "best_success": max(h[key] for h in history.values() if key in h),
                "run_path": run_path}
-    with open(os.path.join(run_path, "summary.json"), "w") as f:  # what benchmarks/ read
-        json.dump({**summary, "evaluations": {str(k): v for k, v in sorted(history.items())}}, f,
-                  indent=1)
+    if dist.is_main_process:
+        with open(os.path.join(run_path, "summary.json"), "w") as f:  # what benchmarks/ read
+            json.dump({**summary, "evaluations": {str(k): v for k, v in sorted(history.items())}},
+                      f, indent=1)
     start = summary["start_success"]
     start = "n/a (resumed)" if start is None else f"{start:.3f}"
     print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} (final), "

@@ -1,0 +1,64 @@
+"""One PPO update of a fixed batch, in one process or in each of those `accelerate launch` started;
+the main process saves the new LoRA weights and the update's stats to the path given.
+
+    python tests/data_parallel_update.py OUT.pt
+    accelerate launch --multi_gpu --num_processes 2 tests/data_parallel_update.py OUT.pt
+
+tests/test_data_parallel.py runs both and compares. The batch is split unevenly on purpose: the
+processes hold different numbers of samples and of response tokens, so a mean of per-process
+means would not give the one-process update.
+"""
+
+import os
+import sys
+
+import torch
+from accelerate import PartialState
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
+from proxmo import Args, build_prompt, chat_ids, policy_update  # noqa: E402
+
+ACTIONS = ["look", "go to cabinet 1", "open drawer 2", "take apple 1 from countertop 1",
+           "heat apple 1 with microwave 1", "move apple 1 to diningtable 1", "inventory"]
+SHARE_OF_PROCESS_0 = 5  # of 14 samples, with the shorter responses
+
+
+def fixed_batch(tokenizer) -> list[tuple]:
+    """14 step samples (prompt, response, advantage, None): 7 actions x 2 observations, advantages
+    of mixed signs and sizes; None makes the update score the old log-probs itself."""
+    samples = []
+    for k in range(14):
+        action = ACTIONS[k % len(ACTIONS)]
+        obs = "You arrive at cabinet 1. The cabinet 1 is closed." if k % 2 else "Nothing happens."
+        prompt = chat_ids(tokenizer, build_prompt("put a hot apple in diningtable.", [], obs,
+                                                  ACTIONS, k % 5 + 1, 1, False))
+        response = tokenizer(f"<action>{action}</action>", add_special_tokens=False).input_ids
+        samples.append((prompt, response + [tokenizer.eos_token_id], (k % 3 - 1) * (1 + k / 7),
+                        None))
+    return sorted(samples, key=lambda s: len(s[1]))
+
+
+def main(out: str) -> None:
+    dist = PartialState(cpu=True)
+    torch.manual_seed(0)
+    model, tokenizer = load_model_and_tokenizer("tiny")
+    model = add_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    samples = fixed_batch(tokenizer)
+    if dist.num_processes == 2:
+        share = [samples[:SHARE_OF_PROCESS_0], samples[SHARE_OF_PROCESS_0:]]
+        samples = share[dist.process_index]
+    elif dist.num_processes != 1:
+        raise SystemExit("run with one or two processes")
+    args = Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2)
+    # SGD: Adam's first steps are sign-like and would amplify float noise in tiny gradients.
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    stats = policy_update(args, model, tokenizer, optimizer, samples,
+                          torch.Generator().manual_seed(0), 1)
+    if dist.is_main_process:
+        weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        torch.save({"weights": weights, "stats": stats, "processes": dist.num_processes}, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
