@@ -1030,9 +1030,12 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
             optimizer.step()
     seconds["update"] = time.perf_counter() - began
     means = {k: float(np.mean(v)) for k, v in stats.items()}
-    if dist.num_processes > 1:  # loss and grad_norm are equal everywhere; the rest are local
-        means = {k: reduce(torch.tensor(v, device=dist.device), "mean").item()
-                 for k, v in means.items()}
+    if dist.num_processes > 1:  # the mean over every process's micro-batches (or mini-batches)
+        names = ["clip_fraction", "grad_norm", "loss"] + (["kl_ref"] if args.kl_coef > 0 else [])
+        sums = torch.tensor([[sum(stats[k]), len(stats[k])] for k in names], dtype=torch.float64,
+                            device=dist.device)
+        sums = reduce(sums, "sum")
+        means = {k: (sums[i, 0] / sums[i, 1]).item() for i, k in enumerate(names)}
     out = {f"train/{k}": v for k, v in means.items()}
     out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
     return out
@@ -1076,6 +1079,11 @@ def main(args: Args) -> dict:
                           "--iterations 0` once, then launch RL with --model <its run>/base_model")
         if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
             errors.append("--backend vllm runs in one process; with several, use --backend hf")
+        per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", dist.num_processes))
+        if args.device.startswith("cuda") and per_machine > torch.cuda.device_count():
+            errors.append(f"{per_machine} processes on a machine with "
+                          f"{torch.cuda.device_count()} GPUs: one GPU per process (or --device "
+                          "cpu)")
     if errors:
         raise UsageError("\n".join(errors))
     if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
@@ -1092,8 +1100,21 @@ def main(args: Args) -> dict:
     run_name = broadcast_object_list([run_name])[0]  # the main process's clock names the run
     run_path = args.resume or os.path.join(args.run_dir, run_name)
     checkpoint = os.path.join(run_path, "checkpoint")
-    if args.resume and not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
-        raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
+    state = None  # what --resume continues, checked before anything is written
+    if args.resume:
+        if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
+            raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
+        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        if "streams" not in state:  # saved by one process before data parallel existed
+            state["streams"] = [{"python": state["python_rng"], "numpy": state["numpy_rng"],
+                                 "torch": state["torch_rng"], "cuda": state["cuda_rng"]}]
+        if state["iteration"] >= args.iterations:
+            raise UsageError(f"--resume {args.resume}: the run already did {state['iteration']} "
+                             "iterations; pass a larger --iterations to continue it")
+        if len(state["streams"]) != dist.num_processes:
+            raise UsageError(f"--resume {args.resume}: saved by {len(state['streams'])} "
+                             f"processes, resumed by {dist.num_processes}; their random streams "
+                             "continue only with as many processes")
     train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
     if args.tasks_per_iteration > len(train_tasks):
         raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
@@ -1196,15 +1217,10 @@ def main(args: Args) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     task_rng = random.Random(args.seed)
     start_iteration = 0
-    if args.resume:
-        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+    if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         generator.set_state(state["generator"])
         task_rng.setstate(state["task_rng"])
-        if len(state["streams"]) != dist.num_processes:
-            raise UsageError(f"--resume {args.resume}: saved by {len(state['streams'])} "
-                             f"processes, resumed by {dist.num_processes}; their random streams "
-                             "continue only with as many processes")
         streams = state["streams"][dist.process_index]
         random.setstate(streams["python"])
         np.random.set_state(streams["numpy"])
@@ -1212,9 +1228,6 @@ def main(args: Args) -> dict:
         if torch.cuda.is_available() and streams["cuda"]:
             torch.cuda.set_rng_state_all(streams["cuda"])
         start_iteration, history = state["iteration"], state["history"]
-        if start_iteration >= args.iterations:
-            raise UsageError(f"--resume {args.resume}: the run already did {start_iteration} "
-                             "iterations; pass a larger --iterations to continue it")
         print(f"resumed from {checkpoint} at iteration {start_iteration}")
 
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
@@ -1252,13 +1265,15 @@ def main(args: Args) -> dict:
         start = time.perf_counter()
         batch = gather_object([summarize(t) for t in trajs])
         first = my_groups.start * args.group_size
-        advantages = compute_advantages(args, batch)[first:first + len(trajs)]
+        batch_advantages = compute_advantages(args, batch)
+        advantages = batch_advantages[first:first + len(trajs)]
         seconds["advantages"] = time.perf_counter() - start
         samples = [(s["prompt"], s["response_ids"], float(a), s["logprobs"])
                    for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
         # (5, 6) old / reference log-probs and the clipped policy-gradient update.
         stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
-        n_tokens = sum(len(s[1]) for s in samples)
+        n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
+        abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
         steps = [s for tr in batch for s in tr["steps"]]
         stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
                       "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
@@ -1268,9 +1283,9 @@ def main(args: Args) -> dict:
                       "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
                       "time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0,
-                      "train/advantage_abs_mean": float(np.mean([abs(s[2]) for s in samples]))})
+                      "train/advantage_abs_mean": float(np.mean(abs_advantages))})
         # Where the iteration's time went: prompts, generation, env, advantages (the policy
-        # update added old_logprobs, ref_logprobs and update).
+        # update added old_logprobs, ref_logprobs and update); the main process's times.
         stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
         log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
@@ -1312,6 +1327,8 @@ def main(args: Args) -> dict:
     print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} (final), "
           f"best {summary['best_success']:.3f}; logs and checkpoint in {run_path} "
           f"(tensorboard --logdir {args.run_dir})")
+    if dist.num_processes > 1:
+        dist.destroy_process_group()
     return summary
 
 

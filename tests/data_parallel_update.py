@@ -2,11 +2,12 @@
 the main process saves the new LoRA weights and the update's stats to the path given.
 
     python tests/data_parallel_update.py OUT.pt
-    accelerate launch --multi_gpu --num_processes 2 tests/data_parallel_update.py OUT.pt
+    accelerate launch --multi_gpu --num_processes 2 tests/data_parallel_update.py OUT.pt [SHARE]
 
-tests/test_data_parallel.py runs both and compares. The batch is split unevenly on purpose: the
-processes hold different numbers of samples and of response tokens, so a mean of per-process
-means would not give the one-process update.
+tests/test_data_parallel.py runs both and compares. The batch is split unevenly on purpose:
+process 0 holds the SHARE (default 5) samples with the shortest responses, process 1 the rest,
+so a mean of per-process means would not give the one-process update; with SHARE 1 process 0
+has no member at all in some mini-batches.
 """
 
 import os
@@ -21,7 +22,6 @@ from proxmo import Args, build_prompt, chat_ids, policy_update  # noqa: E402
 
 ACTIONS = ["look", "go to cabinet 1", "open drawer 2", "take apple 1 from countertop 1",
            "heat apple 1 with microwave 1", "move apple 1 to diningtable 1", "inventory"]
-SHARE_OF_PROCESS_0 = 5  # of 14 samples, with the shorter responses
 
 
 def fixed_batch(tokenizer) -> list[tuple]:
@@ -39,15 +39,15 @@ def fixed_batch(tokenizer) -> list[tuple]:
     return sorted(samples, key=lambda s: len(s[1]))
 
 
-def main(out: str) -> None:
+def main(out: str, share_of_process_0: int) -> None:
     dist = PartialState(cpu=True)
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer("tiny")
     model = add_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
     samples = fixed_batch(tokenizer)
     if dist.num_processes == 2:
-        share = [samples[:SHARE_OF_PROCESS_0], samples[SHARE_OF_PROCESS_0:]]
-        samples = share[dist.process_index]
+        shares = [samples[:share_of_process_0], samples[share_of_process_0:]]
+        samples = shares[dist.process_index]
     elif dist.num_processes != 1:
         raise SystemExit("run with one or two processes")
     args = Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2)
@@ -61,4 +61,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 5)

@@ -23,8 +23,8 @@ def test_missing_data_says_what_to_run(tmp_path, monkeypatch):
 
 def test_script_exits_cleanly_without_data(tmp_path):
     env = dict(os.environ, ALFWORLD_DATA=str(tmp_path), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "proxmo.py", "--env", "alfworld", "--model", "Qwen2.5-0.5B-Instruct",
-                             "--run-dir", str(tmp_path / "runs")],
+    result = subprocess.run([sys.executable, "proxmo.py", "--env", "alfworld", "--model",
+                             "Qwen2.5-0.5B-Instruct", "--run-dir", str(tmp_path / "runs")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "alfworld-download" in result.stderr and "Traceback" not in result.stderr
@@ -37,7 +37,8 @@ def test_unknown_split_is_rejected():
 
 
 def test_task_type_from_game_path():
-    path = "/d/json_2.1.1/valid_unseen/pick_cool_then_place_in_recep-Apple-None-Fridge-1/trial_T2019/game.tw-pddl"
+    path = ("/d/json_2.1.1/valid_unseen/pick_cool_then_place_in_recep-Apple-None-Fridge-1/"
+            "trial_T2019/game.tw-pddl")
     assert alfworld_env.task_type_of(path) == "pick_cool_then_place_in_recep"
     path = "/d/json_2.1.1/train/pick_and_place_simple-Mug-None-Desk-308/trial_T1/game.tw-pddl"
     assert alfworld_env.task_type_of(path) == "pick_and_place_simple"
@@ -56,15 +57,16 @@ def test_pick_two_expert_empties_its_inventory_after_a_move():
     in pick-two games); told the command through expert_view, its hands are empty."""
     from alfworld.agents.expert.handcoded_expert_tw import PickTwoObjAndPlaceTWPolicy
 
-    params = {"object_target": "mug", "parent_target": "desk", "toggle_target": "", "mrecep_target": "",
-              "object_sliced": False, "task_type": "pick_two_obj_and_place"}
+    params = {"object_target": "mug", "parent_target": "desk", "toggle_target": "",
+              "mrecep_target": "", "object_sliced": False, "task_type": "pick_two_obj_and_place"}
     inventories = {}
     for name, view in (("stock", lambda c: c), ("fixed", alfworld_env.expert_view)):
         expert = PickTwoObjAndPlaceTWPolicy(params, max_steps=200)
         expert.update_state_tracking({"feedback": "You pick up the mug 1 from the shelf 1."},
                                      view("take mug 1 from shelf 1"))
         assert expert.inventory == ["mug 1"]
-        expert.update_state_tracking({"feedback": "You move the mug 1 to the desk 1."}, view("move mug 1 to desk 1"))
+        expert.update_state_tracking({"feedback": "You move the mug 1 to the desk 1."},
+                                     view("move mug 1 to desk 1"))
         inventories[name] = expert.inventory
     assert inventories == {"stock": ["mug 1"], "fixed": []}
 
@@ -90,7 +92,8 @@ def _games_or_skip(split):
     try:
         return alfworld_env.game_files(split)
     except UsageError:
-        pytest.skip(f"no ALFWorld games under $ALFWORLD_DATA ({alfworld_env.data_root()}); run alfworld-download")
+        pytest.skip(f"no ALFWorld games under $ALFWORLD_DATA ({alfworld_env.data_root()}); "
+                    "run alfworld-download")
 
 
 def test_expert_solves_a_game_and_invalid_commands_are_flagged():

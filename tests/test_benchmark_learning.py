@@ -27,29 +27,39 @@ def test_mean_and_standard_error_by_hand():
 def test_table_pairs_each_seed_start_with_its_end():
     def run(start, end, minutes):
         return {"minutes": minutes, "evaluations": {
-            "0": {"eval_test/success": start, "eval_test/grounding": 0.5, "eval_test/success_heat": start},
-            "10": {"eval_test/success": end, "eval_test/grounding": 0.7, "eval_test/success_heat": end}}}
+            "0": {"eval_test/success": start, "eval_test/grounding": 0.5,
+                  "eval_test/success_heat": start},
+            "10": {"eval_test/success": end, "eval_test/grounding": 0.7,
+                   "eval_test/success_heat": end}}}
 
-    markdown = table("proxmo.py", "test", {"proxmo": [run(0.30, 0.35, 10.0), run(0.40, 0.41, 12.0)]})
+    markdown = table("proxmo.py", "test",
+                     {"proxmo": [run(0.30, 0.35, 10.0), run(0.40, 0.41, 12.0)]})
     # gains 0.05 and 0.01: mean 0.03, SE = |0.05 - 0.01| / 2 = 0.02
-    assert "| proxmo.py | proxmo | 2 | 0.350 | 0.380 | +0.030 +- 0.020 | 0.500 -> 0.700 | 11.0 |" in markdown
+    assert ("| proxmo.py | proxmo | 2 | 0.350 | 0.380 | +0.030 +- 0.020 | 0.500 -> 0.700 | 11.0 |"
+            in markdown)
     assert "| proxmo | heat | 0.350 | 0.380 | +0.030 +- 0.020 |" in markdown
 
 
 def test_the_protocol_runs_at_a_tiny_size(tmp_path):
     result = subprocess.run(
-        [sys.executable, "benchmarks/learning.py", "--estimators", "proxmo", "grpo", "--seeds", "1", "2",
+        [sys.executable, "benchmarks/learning.py", "--estimators", "proxmo", "grpo",
+         "--seeds", "1", "2",
          "--split", "valid", "--eval-num-tasks", "4", "--out", str(tmp_path), "--",
-         "--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2", "--max-episode-steps", "5"],
-        cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=600)
+         "--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2",
+         "--max-episode-steps", "5"],
+        cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+        timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = re.findall(r"^\| proxmo\.py \| (\w+) \| 2 \| ([\d.]+) \| ([\d.]+) \| ([+-][\d.]+) \+- ([\d.]+) \|",
+    rows = re.findall(r"^\| proxmo\.py \| (\w+) \| 2 \| ([\d.]+) \| ([\d.]+) \| "
+                      r"([+-][\d.]+) \+- ([\d.]+) \|",
                       result.stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["proxmo", "grpo"]
     for _, start, end, gain, se in rows:
         assert float(gain) == pytest.approx(float(end) - float(start), abs=1.5e-3)
-    (table_file,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == "table.md"]
+    (table_file,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files
+                     if f == "table.md"]
     with open(table_file) as f:
         assert " ".join(PROTOCOL_FLAGS + ["--iterations", "1"]) in f.read()
     logs = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".log")]
-    assert sorted(logs) == ["grpo-seed1.log", "grpo-seed2.log", "proxmo-seed1.log", "proxmo-seed2.log"]
+    assert sorted(logs) == ["grpo-seed1.log", "grpo-seed2.log", "proxmo-seed1.log",
+                            "proxmo-seed2.log"]

@@ -14,8 +14,9 @@ import envs
 from common import UsageError
 from common.envbatch import EnvBatch
 from common.generation import hf_generate
-from common.model import (add_lora, build_tiny_tokenizer, eos_token_ids, load_lora, load_model_and_tokenizer,
-                          merge_lora, pad_prompt_response, resolve_model_name, response_logprobs)
+from common.model import (add_lora, build_tiny_tokenizer, eos_token_ids, load_lora,
+                          load_model_and_tokenizer, merge_lora, pad_prompt_response,
+                          resolve_model_name, response_logprobs)
 from proxmo import PROMPT_WORDS, is_well_formed, parse_action
 
 VOCAB = envs.vocabulary("household") + PROMPT_WORDS
@@ -48,7 +49,8 @@ def test_tiny_tokenizer_round_trip_and_chat_template(tiny):
     # Word level: the "countertop" of an entity is the same token as in a goal sentence.
     ids_of = lambda t: tok(t, add_special_tokens=False).input_ids
     assert ids_of("countertop 2") == ids_of("countertop") + ids_of("2")
-    chat = tok.apply_chat_template([{"role": "user", "content": "Your task is to: put a mug in desk."}],
+    chat = tok.apply_chat_template([{"role": "user",
+                                     "content": "Your task is to: put a mug in desk."}],
                                    add_generation_prompt=True, tokenize=False)
     assert chat.startswith("<|im_start|>user\n") and chat.endswith("<|im_start|>assistant\n")
     assert tok.unk_token_id not in tok(chat, add_special_tokens=False).input_ids
@@ -122,7 +124,8 @@ def test_response_logprobs_at_a_temperature_are_those_of_the_tempered_policy(tin
 
 
 def test_pad_prompt_response_layout():
-    ids, attention, positions, targets, mask = pad_prompt_response([[1, 2], [3]], [[4], [5, 6]], pad_id=0)
+    ids, attention, positions, targets, mask = pad_prompt_response([[1, 2], [3]], [[4], [5, 6]],
+                                                                   pad_id=0)
     assert ids.tolist() == [[1, 2, 4, 0], [0, 3, 5, 6]]
     assert attention.tolist() == [[1, 1, 1, 0], [0, 1, 1, 1]]
     assert positions.tolist() == [[0, 1, 2, 2], [0, 0, 1, 2]]
@@ -131,22 +134,24 @@ def test_pad_prompt_response_layout():
 
 def test_hf_generate_greedy_is_deterministic_and_cut_at_eos(tiny):
     model, tok = tiny
-    prompts = [tok("you are in the middle of a kitchen .").input_ids, tok("nothing happens .").input_ids]
-    a = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], max_new_tokens=6,
-                    temperature=0.0)
-    b = hf_generate(model, prompts[:1], pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], max_new_tokens=6,
-                    temperature=0.0)
+    prompts = [tok("you are in the middle of a kitchen .").input_ids,
+               tok("nothing happens .").input_ids]
+    a = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
+                    max_new_tokens=6, temperature=0.0)
+    b = hf_generate(model, prompts[:1], pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
+                    max_new_tokens=6, temperature=0.0)
     assert a[0] == b[0] and 1 <= len(a[0]) <= 6
     torch.manual_seed(0)
-    s1 = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], max_new_tokens=6,
-                     temperature=1.0)
+    s1 = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
+                     max_new_tokens=6, temperature=1.0)
     torch.manual_seed(0)
-    s2 = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], max_new_tokens=6,
-                     temperature=1.0)
+    s2 = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
+                     max_new_tokens=6, temperature=1.0)
     assert s1 == s2
     # A token chosen as eos ends the response right after it.
     eos = a[0][0]
-    cut = hf_generate(model, prompts[:1], pad_id=tok.pad_token_id, eos_ids=[eos], max_new_tokens=6, temperature=0.0)
+    cut = hf_generate(model, prompts[:1], pad_id=tok.pad_token_id, eos_ids=[eos], max_new_tokens=6,
+                      temperature=0.0)
     assert cut == [[eos]]
 
 
@@ -158,25 +163,28 @@ def test_sampling_ignores_the_checkpoint_generation_config(tiny):
     make every sample of one prompt the greedy one."""
     model, tok = tiny
     saved = model.generation_config
-    model.generation_config = type(saved)(repetition_penalty=3.0, top_k=1, top_p=0.01, temperature=0.2,
-                                          no_repeat_ngram_size=1, suppress_tokens=list(range(10, 400)),
-                                          do_sample=True)
+    model.generation_config = type(saved)(repetition_penalty=3.0, top_k=1, top_p=0.01,
+                                          temperature=0.2, no_repeat_ngram_size=1,
+                                          suppress_tokens=list(range(10, 400)), do_sample=True)
     prompt = tok("you arrive at desk 1 . on the desk 1 , you see a mug 1 .").input_ids
     try:
         prompts = [prompt, tok("nothing happens .").input_ids]
         torch.manual_seed(0)
-        responses, sampled_logp = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
-                                              max_new_tokens=8, temperature=0.7, return_logprobs=True)
+        responses, sampled_logp = hf_generate(model, prompts, pad_id=tok.pad_token_id,
+                                              eos_ids=[tok.eos_token_id], max_new_tokens=8,
+                                              temperature=0.7, return_logprobs=True)
         torch.manual_seed(0)
         again = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
                             max_new_tokens=8, temperature=0.7)
-        copies = hf_generate(model, [prompt] * 16, pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
-                             max_new_tokens=8, temperature=1.0)
+        copies = hf_generate(model, [prompt] * 16, pad_id=tok.pad_token_id,
+                             eos_ids=[tok.eos_token_id], max_new_tokens=8, temperature=1.0)
     finally:
         model.generation_config = saved
     assert again == responses and all(len(r) == len(lp) for r, lp in zip(responses, sampled_logp))
-    assert max(len(r) for r in responses) == 8  # the random model rarely says eos: 8 steps recorded
-    logp, _, _ = response_logprobs(model, prompts, responses, pad_id=tok.pad_token_id, temperature=0.7)
+    # the random model rarely says eos: 8 steps recorded
+    assert max(len(r) for r in responses) == 8
+    logp, _, _ = response_logprobs(model, prompts, responses, pad_id=tok.pad_token_id,
+                                   temperature=0.7)
     for i, r in enumerate(responses):
         assert torch.allclose(logp[i, :len(r)], torch.tensor(sampled_logp[i]), atol=1e-4)
     assert len({tuple(c) for c in copies}) > 8
@@ -187,7 +195,8 @@ def test_recorded_logprobs_need_plain_sampling(tiny):
     for temperature, top_p in ((0.0, 1.0), (1.0, 0.9)):
         with pytest.raises(ValueError, match="return_logprobs"):
             hf_generate(model, [[5, 6]], pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id],
-                        max_new_tokens=2, temperature=temperature, top_p=top_p, return_logprobs=True)
+                        max_new_tokens=2, temperature=temperature, top_p=top_p,
+                        return_logprobs=True)
 
 
 def test_eos_ids_are_the_tokenizer_and_generation_config_union(tiny):
@@ -214,11 +223,14 @@ def test_unreachable_hub_fails_fast_with_a_hint(monkeypatch):
 def test_a_hub_id_without_network_fails_within_seconds():
     """Without HF_HUB_OFFLINE, where the hub cannot be reached (as in CI) or does not know the
     model, loading stops in seconds instead of retrying for a minute."""
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    code = "from common.model import load_model_and_tokenizer as f; f('Qwen/Qwen-no-such-model-0B')"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    code = ("from common.model import load_model_and_tokenizer as f; "
+            "f('Qwen/Qwen-no-such-model-0B')")
     t0 = time.time()
-    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code],
+                            cwd=os.path.dirname(os.path.dirname(__file__)), env=env,
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "cannot load model" in result.stderr
     assert time.time() - t0 < 30 and "Retrying" not in result.stderr
 
@@ -236,7 +248,8 @@ def test_env_batch_steps_only_running_games():
 
 @pytest.mark.parametrize("reply, action", [
     ("<action>go to desk 1</action>", "go to desk 1"),
-    ("<think>the mug is here</think> <action> Take Mug 1 from Desk 1 </action>", "take mug 1 from desk 1"),
+    ("<think>the mug is here</think> <action> Take Mug 1 from Desk 1 </action>",
+     "take mug 1 from desk 1"),
     ('<action>"open drawer 2"</action>', "open drawer 2"),
     ("<action>look</action> then <action>inventory</action>", "inventory"),
     ("go to desk 1", None),
@@ -249,7 +262,8 @@ def test_parse_action(reply, action):
 
 @pytest.mark.parametrize("reply, reasoning, well_formed", [
     ("<action>go to desk 1</action>", False, True),
-    ("<action>take unicorn 9 from moon 1</action>", False, True),  # inadmissible, still well formed
+    # inadmissible, still well formed
+    ("<action>take unicorn 9 from moon 1</action>", False, True),
     ("go to desk 1", False, False),
     ("<action></action>", False, False),
     ("<action>go to desk 1</action>", True, False),  # --reasoning asks for <think> too

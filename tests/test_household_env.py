@@ -33,7 +33,8 @@ def test_expert_solves_every_task_of_every_type(split):
         lengths[env.task_type].append(env.steps)
     assert set(lengths) == set(TASK_TYPES)
     # Hard enough for credit assignment: the harder types take the expert 10-30 steps.
-    hard = [n for t in ("pick_two_obj_and_place", "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep")
+    hard = [n for t in ("pick_two_obj_and_place", "pick_heat_then_place_in_recep",
+                        "pick_cool_then_place_in_recep")
             for n in lengths[t]]
     assert sum(hard) / len(hard) >= 10 and max(hard) <= 30
     assert sum(lengths["pick_two_obj_and_place"]) / len(lengths["pick_two_obj_and_place"]) >= 11

@@ -1,15 +1,17 @@
 """ProxMO / GRPO / GiGPO advantages against numbers worked by hand.
 
 Examples 1-2 and the edge cases are the spec's (specs/proxmo.md section 6, checked there with
-scikit-learn's TfidfVectorizer); `test_hand_example_two_trajectories` is worked out in its docstring."""
+scikit-learn's TfidfVectorizer); `test_hand_example_two_trajectories` is worked out in its
+docstring."""
 
 import math
 
 import pytest
 import torch
 
-from proxmo import (Args, compute_advantages, cosine_similarity, discounted_returns, gigpo_group_advantages,
-                    gigpo_step_advantages, grpo_advantages, group_zscore, k3_kl, ppo_clip_loss, proximity_baselines,
+from proxmo import (Args, compute_advantages, cosine_similarity, discounted_returns,
+                    gigpo_group_advantages, gigpo_step_advantages, grpo_advantages, group_zscore,
+                    k3_kl, ppo_clip_loss, proximity_baselines,
                     proxmo_batch_advantages, proxmo_episode_advantages, proxmo_group_advantages,
                     proxmo_step_advantages, psc_weights, tfidf_vectors)
 
@@ -27,7 +29,8 @@ SUCC, FAIL = torch.tensor([0.0, 0.0, 1.0]), torch.zeros(3)
 
 def close(actual, expected):
     actual = torch.as_tensor(actual).to(torch.float64)
-    assert torch.allclose(actual, torch.as_tensor(expected, dtype=torch.float64), atol=ATOL, rtol=0), actual.tolist()
+    assert torch.allclose(actual, torch.as_tensor(expected, dtype=torch.float64), atol=ATOL,
+                          rtol=0), actual.tolist()
 
 
 def group_sim(states):
@@ -40,7 +43,7 @@ def check_all(advs, expected):
         close(a, e)
 
 
-# ---- TF-IDF -------------------------------------------------------------------------------------------
+# ---- TF-IDF -------------------------------------------------------------------------------------
 def test_tfidf_similarities_of_the_spec_table():
     texts = [S0, CA, CAK, PICK, CAB, OPEN, NOTH]
     flat = [s for traj in STATES for s in traj]
@@ -50,8 +53,9 @@ def test_tfidf_similarities_of_the_spec_table():
     sim = cosine_similarity(vectors)
     expected = {(S0, CA): 0.177433, (S0, CAK): 0.148417, (S0, PICK): 0.179716, (S0, CAB): 0.118303,
                 (S0, OPEN): 0.217172, (S0, NOTH): 0.0, (CA, CAK): 0.836467, (CA, PICK): 0.377060,
-                (CA, CAB): 0.267532, (CA, OPEN): 0.183453, (CAK, PICK): 0.315398, (CAK, CAB): 0.223782,
-                (CAK, OPEN): 0.153453, (PICK, CAB): 0.096981, (PICK, OPEN): 0.136993, (CAB, OPEN): 0.494274,
+                (CA, CAB): 0.267532, (CA, OPEN): 0.183453, (CAK, PICK): 0.315398,
+                (CAK, CAB): 0.223782, (CAK, OPEN): 0.153453, (PICK, CAB): 0.096981,
+                (PICK, OPEN): 0.136993, (CAB, OPEN): 0.494274,
                 (OPEN, NOTH): 0.168843, (CA, CA): 1.0}
     for (a, b), value in expected.items():
         assert sim[index[a], index[b]].item() == pytest.approx(value, abs=ATOL)
@@ -65,7 +69,8 @@ def test_tfidf_corner_cases():
     assert sim[0, 2].item() == pytest.approx(0.763228, abs=ATOL)
     vectors = tfidf_vectors(["", "a b c", "You arrive at drawer 1."])
     assert torch.all(vectors[0] == 0) and torch.all(vectors[1] == 0)
-    assert cosine_similarity(vectors)[1, 1].item() == 0.0  # zero vector: similarity 0 even with itself
+    # zero vector: similarity 0 even with itself
+    assert cosine_similarity(vectors)[1, 1].item() == 0.0
 
 
 def test_tfidf_max_features_keeps_the_most_frequent_terms():
@@ -74,10 +79,12 @@ def test_tfidf_max_features_keeps_the_most_frequent_terms():
     close(vectors[:, 0], [1.0, 1.0])
 
 
-# ---- PSC episode term -------------------------------------------------------------------------------
+# ---- PSC episode term ---------------------------------------------------------------------------
 def test_psc_weights_table_for_eight_trajectories():
-    table = {1: (1.014249, 0.999994, 2.683442, -0.377961), 2: (1.007845, 0.999902, 1.745634, -0.577293),
-             4: (1.001562, 0.998438, 1.001560, -0.998436), 6: (1.000098, 0.992155, 0.577405, -1.718459),
+    table = {1: (1.014249, 0.999994, 2.683442, -0.377961),
+             2: (1.007845, 0.999902, 1.745634, -0.577293),
+             4: (1.001562, 0.998438, 1.001560, -0.998436),
+             6: (1.000098, 0.992155, 0.577405, -1.718459),
              7: (1.000006, 0.985751, 0.377966, -2.608044)}
     for k, (w_succ, w_fail, a_succ, a_fail) in table.items():
         outcomes = torch.tensor([1.0] * k + [0.0] * (8 - k))
@@ -96,13 +103,15 @@ def test_psc_weight_limits():
 
 
 def test_group_zscore_conventions():
-    close(group_zscore(torch.tensor([1.0, 0.0, 1.0, 0.0])), [0.999998, -0.999998, 0.999998, -0.999998])
+    close(group_zscore(torch.tensor([1.0, 0.0, 1.0, 0.0])),
+          [0.999998, -0.999998, 0.999998, -0.999998])
     assert torch.equal(group_zscore(torch.tensor([3.0, 3.0])), torch.zeros(2))
     assert torch.equal(group_zscore(torch.tensor([5.0])), torch.zeros(1))
-    close(group_zscore(torch.tensor([1.0, 0.0, 0.0, 0.0]), use_std=False), [0.75, -0.25, -0.25, -0.25])
+    close(group_zscore(torch.tensor([1.0, 0.0, 0.0, 0.0]), use_std=False),
+          [0.75, -0.25, -0.25, -0.25])
 
 
-# ---- step returns, baselines, full advantages ------------------------------------------------------------
+# ---- step returns, baselines, full advantages ---------------------------------------------------
 def test_discounted_returns():
     close(discounted_returns(torch.tensor([0.0, 0.0, 1.0]), 0.95), [0.9025, 0.95, 1.0])
     close(discounted_returns(torch.tensor([1.0, 0.0, 2.0]), 0.5), [1.5, 1.0, 2.0])
@@ -144,10 +153,12 @@ def test_example_2_non_default_values():
     outcomes = torch.tensor([0.0, 0.0, 1.0, 0.0])
     rewards = [FAIL, FAIL, SUCC, FAIL]
     hp = dict(alpha=2.0, beta=1.0, temperature=0.5, gamma=0.9, omega=0.5)
-    close(proxmo_episode_advantages(outcomes, alpha=2.0, beta=1.0), [-0.568331, -0.568331, 1.969391, -0.568331])
+    close(proxmo_episode_advantages(outcomes, alpha=2.0, beta=1.0),
+          [-0.568331, -0.568331, 1.969391, -0.568331])
     returns = [discounted_returns(r, 0.9) for r in rewards]
     _, baselines = proximity_baselines(torch.cat(returns), sim, 0.5)
-    close(baselines[[0, 1, 7, 2, 4, 5, 11]], [0.213424, 0.236050, 0.309210, 0.339452, 0.154906, 0.154467, 0.144220])
+    close(baselines[[0, 1, 7, 2, 4, 5, 11]],
+          [0.213424, 0.236050, 0.309210, 0.339452, 0.154906, 0.154467, 0.144220])
     check_all(proxmo_group_advantages(outcomes, rewards, sim, **hp),
               [[-0.675043, -0.686356, -0.738057], [-0.675043, -0.645784, -0.645564],
                [2.267678, 2.264786, 2.299665], [-0.675043, -0.686356, -0.640441]])
@@ -156,7 +167,7 @@ def test_example_2_non_default_values():
                [2.598070, 1.732047, 2.232046], [-0.866023, -0.577349, -0.577349]])
 
 
-# ---- limits and edge cases (spec section 6) ---------------------------------------------------------------
+# ---- limits and edge cases (spec section 6) -----------------------------------------------------
 def test_all_succeed_keeps_only_positional_step_differences():
     advs = proxmo_group_advantages(torch.ones(4), [SUCC] * 4, group_sim(STATES))
     check_all(advs, [[-0.000035, -0.000074, 0.000181], [-0.000035, -0.000302, 0.000508],
@@ -171,9 +182,11 @@ def test_all_fail_gives_zero_everywhere():
 def test_identical_states_give_uniform_weights_and_equal_large_temperature():
     same = [[NOTH] * 3 for _ in range(4)]
     outcomes, rewards = torch.tensor([1.0, 0.0, 1.0, 0.0]), [SUCC, FAIL, SUCC, FAIL]
-    expected = [[1.428643, 1.476143, 1.526143], [-1.473853] * 3, [1.428643, 1.476143, 1.526143], [-1.473853] * 3]
+    expected = [[1.428643, 1.476143, 1.526143], [-1.473853] * 3, [1.428643, 1.476143, 1.526143],
+                [-1.473853] * 3]
     check_all(proxmo_group_advantages(outcomes, rewards, group_sim(same)), expected)
-    check_all(proxmo_group_advantages(outcomes, rewards, group_sim(STATES), temperature=1e6), expected)
+    check_all(proxmo_group_advantages(outcomes, rewards, group_sim(STATES), temperature=1e6),
+              expected)
 
 
 def test_singleton_group():
@@ -185,7 +198,8 @@ def test_singleton_group():
 
 def test_unequal_lengths():
     states = [[S0], [S0, CA]]
-    advs = proxmo_group_advantages(torch.tensor([1.0, 0.0]), [torch.tensor([1.0]), torch.zeros(2)], group_sim(states))
+    advs = proxmo_group_advantages(torch.tensor([1.0, 0.0]), [torch.tensor([1.0]), torch.zeros(2)],
+                                   group_sim(states))
     check_all(advs, [[1.501643], [-1.498353, -0.998770]])
 
 
@@ -193,12 +207,14 @@ def test_small_temperature_is_gigpo_mean_norm_without_overflow():
     returns = [discounted_returns(r, 0.95) for r in (SUCC, FAIL, SUCC, FAIL)]
     advs = proxmo_step_advantages(returns, group_sim(STATES), temperature=1e-3)
     assert all(torch.isfinite(a).all() for a in advs)
-    check_all(advs, [[0.45125, 0.475, 0.0], [-0.45125, 0.0, 0.0], [0.45125, 0.0, 0.0], [-0.45125, -0.475, 0.0]])
+    check_all(advs, [[0.45125, 0.475, 0.0], [-0.45125, 0.0, 0.0], [0.45125, 0.0, 0.0],
+                     [-0.45125, -0.475, 0.0]])
 
 
 def test_modulation_and_proximity_off_is_grpo_bit_for_bit():
     outcomes = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    advs = proxmo_group_advantages(outcomes, [SUCC, FAIL, SUCC, FAIL], group_sim(STATES), beta=0.0, omega=0.0)
+    advs = proxmo_group_advantages(outcomes, [SUCC, FAIL, SUCC, FAIL], group_sim(STATES),
+                                   beta=0.0, omega=0.0)
     grpo = grpo_advantages(outcomes)
     for i, a in enumerate(advs):
         assert torch.equal(a, grpo[i].expand(3))
@@ -221,15 +237,18 @@ def test_hand_example_two_trajectories():
     sim(A, B) = 1.496080 / sqrt(3.778674 * 5.168250) = 1.496080 / 4.419178 = 0.338543;
     sim(A, C) = sim(B, C) = 0 (no shared token).
     gamma = 0.5, tau = 1: returns tau1 = (0.5, 1), tau2 = (0, 0). Steps in order A, B, A, C.
-    Row A: logits (1, 0.338543, 1, 0), e^0.338543 = 1.402900, denominator 2e + 1.402900 + 1 = 7.839465;
-      weights A 0.346743 (each), B 0.178954, C 0.127560 -> B_A = 0.346743*0.5 + 0.178954 = 0.352325.
+    Row A: logits (1, 0.338543, 1, 0), e^0.338543 = 1.402900,
+      denominator 2e + 1.402900 + 1 = 7.839465;
+      weights A 0.346743 (each), B 0.178954, C 0.127560 ->
+      B_A = 0.346743*0.5 + 0.178954 = 0.352325.
     Row B: logits (0.338543, 1, 0.338543, 0), denominator 2*1.402900 + e + 1 = 6.524085;
       weights A 0.215034 (each), B 0.416653 -> B_B = 0.215034*0.5 + 0.416653 = 0.524170.
     Row C: logits (0, 0, 0, 1), denominator 3 + e = 5.718282; weights 0.174878 on A, B, A ->
       B_C = 0.174878*0.5 + 0.174878 = 0.262317.
     A^S: tau1 (0.5 - 0.352325, 1 - 0.524170) = (0.147675, 0.475830); tau2 (-0.352325, -0.262317).
     Episode: z = +-0.5/(0.5 + 1e-6) = +-0.999998; p = 0.5, alpha = 1, beta = 0.5:
-      w_s = 1 + 0.5*(sigmoid(0.5) - 0.5) = 1.061230, w_f = 1 + 0.5*(sigmoid(-0.5) - 0.5) = 0.938770,
+      w_s = 1 + 0.5*(sigmoid(0.5) - 0.5) = 1.061230,
+      w_f = 1 + 0.5*(sigmoid(-0.5) - 0.5) = 0.938770,
       A~E = (1.061228, -0.938768). omega = 2: A = A~E + 2 A^S =
       tau1 (1.356577, 2.012887), tau2 (-1.643419, -1.463402).
     """
@@ -240,8 +259,8 @@ def test_hand_example_two_trajectories():
     returns = [discounted_returns(r, 0.5) for r in rewards]
     _, baselines = proximity_baselines(torch.cat(returns), sim, 1.0)
     close(baselines, [0.352325, 0.524170, 0.352325, 0.262317])
-    advs = proxmo_group_advantages(torch.tensor([1.0, 0.0]), rewards, sim, alpha=1.0, beta=0.5, temperature=1.0,
-                                   gamma=0.5, omega=2.0)
+    advs = proxmo_group_advantages(torch.tensor([1.0, 0.0]), rewards, sim, alpha=1.0, beta=0.5,
+                                   temperature=1.0, gamma=0.5, omega=2.0)
     check_all(advs, [[1.356577, 2.012887], [-1.643419, -1.463402]])
 
 
@@ -302,7 +321,8 @@ def test_only_malformed_replies_are_penalised():
     def step(valid, well_formed):
         return {"state": "s", "valid": valid, "well_formed": well_formed}
     trajectories = [
-        {"won": True, "group": 0, "rewards": [0.0, 1.0], "steps": [step(False, True), step(False, False)]},
+        {"won": True, "group": 0, "rewards": [0.0, 1.0],
+         "steps": [step(False, True), step(False, False)]},
         {"won": False, "group": 0, "rewards": [0.0], "steps": [step(True, True)]},
     ]
     advs = compute_advantages(Args(advantage="grpo"), trajectories)
@@ -320,7 +340,8 @@ def test_batch_with_two_interleaved_groups_matches_batch_level_reference():
     for members in ([0, 2, 4], [1, 3, 5]):
         rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members])
         expected = proxmo_group_advantages(torch.tensor([outcomes[i] for i in members]),
-                                           [rewards[i] for i in members], cosine_similarity(vectors[rows]))
+                                           [rewards[i] for i in members],
+                                           cosine_similarity(vectors[rows]))
         for i, e in zip(members, expected):
             assert torch.allclose(out[i], e, atol=1e-12)
 
@@ -331,7 +352,7 @@ def test_episode_advantages_sum_to_zero_only_without_modulation():
     assert abs(proxmo_episode_advantages(outcomes).sum().item()) > 1e-4
 
 
-# ---- policy loss ----------------------------------------------------------------------------------------------
+# ---- policy loss --------------------------------------------------------------------------------
 def test_ppo_clip_loss_by_hand():
     """Two tokens of one step, A = 1. Token 1: ratio e^0.5 = 1.648721 > 1.2 -> clipped term 1.2.
     Token 2: ratio e^-0.1 = 0.904837 -> min(0.904837, 0.904837) = 0.904837.
@@ -340,15 +361,18 @@ def test_ppo_clip_loss_by_hand():
     logp = torch.tensor([[-1.0, -2.0]])
     old = torch.tensor([[-1.5, -1.9]])
     ref = torch.tensor([[-0.8, -2.0]])
-    loss = ppo_clip_loss(logp, old, ref, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.2, kl_coef=0.1)
+    loss = ppo_clip_loss(logp, old, ref, torch.tensor([1.0]), torch.ones(1, 2), clip_eps=0.2,
+                         kl_coef=0.1)
     assert loss.item() == pytest.approx(-1.051348, abs=1e-5)
     # A padded third token must not count.
-    loss_padded = ppo_clip_loss(torch.tensor([[-1.0, -2.0, 5.0]]), torch.tensor([[-1.5, -1.9, 0.0]]),
+    loss_padded = ppo_clip_loss(torch.tensor([[-1.0, -2.0, 5.0]]),
+                                torch.tensor([[-1.5, -1.9, 0.0]]),
                                 torch.tensor([[-0.8, -2.0, 0.0]]), torch.tensor([1.0]),
                                 torch.tensor([[1.0, 1.0, 0.0]]), clip_eps=0.2, kl_coef=0.1)
     assert loss_padded.item() == pytest.approx(loss.item(), abs=1e-6)
     # Negative advantage: the pessimistic (max-loss) side, ratio 1.648721 * -1 is kept, not -1.2.
-    neg = ppo_clip_loss(logp[:, :1], old[:, :1], logp[:, :1], torch.tensor([-1.0]), torch.ones(1, 1), kl_coef=0.0)
+    neg = ppo_clip_loss(logp[:, :1], old[:, :1], logp[:, :1], torch.tensor([-1.0]),
+                        torch.ones(1, 1), kl_coef=0.0)
     assert neg.item() == pytest.approx(math.exp(0.5), abs=1e-5)
 
 
@@ -358,10 +382,12 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages():
     with or without dual clip."""
     logp, old, mask = torch.tensor([[0.0]]), torch.tensor([[-2.0]]), torch.ones(1, 1)
     def loss(advantage, c):
-        return ppo_clip_loss(logp, old, logp, torch.tensor([advantage]), mask, kl_coef=0.0, clip_ratio_c=c).item()
+        return ppo_clip_loss(logp, old, logp, torch.tensor([advantage]), mask, kl_coef=0.0,
+                             clip_ratio_c=c).item()
     assert loss(-1.0, None) == pytest.approx(7.389056, abs=1e-5)
     assert loss(-1.0, 3.0) == pytest.approx(3.0, abs=1e-6)
-    assert loss(1.0, None) == pytest.approx(-1.2, abs=1e-6) and loss(1.0, 3.0) == pytest.approx(-1.2, abs=1e-6)
+    assert (loss(1.0, None) == pytest.approx(-1.2, abs=1e-6)
+            and loss(1.0, 3.0) == pytest.approx(-1.2, abs=1e-6))
 
 
 def test_padded_positions_give_finite_gradients():
@@ -369,7 +395,8 @@ def test_padded_positions_give_finite_gradients():
     float32; masked before the exponential, the loss and its gradient stay finite and the
     padded position gets no gradient."""
     logp = torch.tensor([[-1.0, -100.0]], requires_grad=True)
-    old, ref, mask = torch.tensor([[-1.2, 0.0]]), torch.tensor([[-0.9, 0.0]]), torch.tensor([[1.0, 0.0]])
+    old, ref, mask = (torch.tensor([[-1.2, 0.0]]), torch.tensor([[-0.9, 0.0]]),
+                      torch.tensor([[1.0, 0.0]]))
     loss = ppo_clip_loss(logp, old, ref, torch.tensor([1.0]), mask, kl_coef=0.01)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()

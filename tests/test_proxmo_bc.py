@@ -11,7 +11,8 @@ from proxmo import PROMPT_WORDS, bc_loss
 
 @pytest.fixture(scope="module")
 def model():
-    m, _ = load_model_and_tokenizer("tiny-scratch", vocabulary=envs.vocabulary("household") + PROMPT_WORDS, seed=0)
+    m, _ = load_model_and_tokenizer("tiny-scratch",
+                                    vocabulary=envs.vocabulary("household") + PROMPT_WORDS, seed=0)
     return m.eval()
 
 
@@ -29,7 +30,8 @@ def test_bc_loss_is_the_token_mean_response_nll(model):
     with torch.no_grad():
         loss, response_loss = bc_loss(model, PROMPTS, RESPONSES, pad_id=0, prompt_weight=0.0)
         # Response tokens are the last len(r) targets of each sequence; mean over all 4 of them.
-        expected = [n for p, r in zip(PROMPTS, RESPONSES) for n in token_nlls(model, p, r)[-len(r):]]
+        expected = [n for p, r in zip(PROMPTS, RESPONSES)
+                    for n in token_nlls(model, p, r)[-len(r):]]
     assert loss.item() == pytest.approx(sum(expected) / 4, abs=1e-5)
     assert response_loss.item() == loss.item()
 

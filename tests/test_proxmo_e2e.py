@@ -15,7 +15,8 @@ from common.model import TINY_CHECKPOINT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough for seconds on 2 CPU cores; still eval -> rollouts -> update -> eval -> checkpoint.
-SMALL = ["--eval-num-tasks", "6", "--tasks-per-iteration", "2", "--group-size", "3", "--max-episode-steps", "6",
+SMALL = ["--eval-num-tasks", "6", "--tasks-per-iteration", "2", "--group-size", "3",
+         "--max-episode-steps", "6",
          "--eval-every", "1", "--save-every", "1", "--minibatch-size", "16"]
 # The same from random weights, behavior cloning first.
 FROM_SCRATCH = ["--model", "tiny-scratch", "--bc-num-tasks", "8", "--bc-epochs", "1"]
@@ -23,8 +24,8 @@ FROM_SCRATCH = ["--model", "tiny-scratch", "--bc-num-tasks", "8", "--bc-epochs",
 
 def run(args, tmp_path, expect=0):
     env = dict(os.environ, HF_HUB_OFFLINE="1", ALFWORLD_DATA=str(tmp_path / "no_alfworld"))
-    result = subprocess.run([sys.executable, "proxmo.py", *args], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run([sys.executable, "proxmo.py", *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -39,8 +40,8 @@ def test_two_iterations(advantage, tmp_path):
     assert "[eval test @ iter 0]" in out.stdout and "[eval test @ iter 2]" in out.stdout
     assert ("behavior cloning done" in out.stdout) == scratch
     (run_path,) = glob.glob(str(tmp_path / f"proxmo__household__{advantage}__1__*"))
-    for name in ("config.json", "summary.json", "checkpoint/adapter_config.json", "checkpoint/trainer_state.pt",
-                 "checkpoint/README.md"):
+    for name in ("config.json", "summary.json", "checkpoint/adapter_config.json",
+                 "checkpoint/trainer_state.pt", "checkpoint/README.md"):
         assert os.path.isfile(os.path.join(run_path, name)), name
     assert os.path.isdir(os.path.join(run_path, "base_model")) == scratch
     with open(os.path.join(run_path, "summary.json")) as f:
@@ -56,7 +57,8 @@ def test_two_iterations(advantage, tmp_path):
     scalars = EventAccumulator(events).Reload()
     iteration = [e.value for e in scalars.Scalars("time/iteration_seconds")]
     parts = [[e.value for e in scalars.Scalars(f"time/{part}_seconds")] for part in
-             ("prompts", "generation", "env", "advantages", "old_logprobs", "ref_logprobs", "update")]
+             ("prompts", "generation", "env", "advantages", "old_logprobs", "ref_logprobs",
+              "update")]
     for k in range(2):  # the breakdown of each iteration fits inside it
         assert all(p[k] >= 0 for p in parts) and sum(p[k] for p in parts) <= iteration[k]
     base = os.path.join(run_path, "base_model") if scratch else TINY_CHECKPOINT
@@ -74,7 +76,8 @@ def test_zero_iterations_only_evaluates_the_start(tmp_path):
     assert not os.path.exists(os.path.join(run_path, "checkpoint"))
     with open(os.path.join(run_path, "summary.json")) as f:
         summary = json.load(f)
-    assert summary["start_success"] == summary["final_success"] and list(summary["evaluations"]) == ["0"]
+    assert (summary["start_success"] == summary["final_success"]
+            and list(summary["evaluations"]) == ["0"])
 
 
 def adapter_weights(run_path):
@@ -96,7 +99,8 @@ def test_resumed_run_gives_the_same_numbers_as_one_run(tmp_path):
     with open(os.path.join(split_path, "config.json")) as f:
         record = json.load(f)
     assert record["args"]["iterations"] == 2 and len(record["resumed_by"]) == 1
-    final = [re.search(r"\[eval test @ iter 2\].*success (\S+) grounding (\S+) \(([^)]*)\)", o.stdout).groups()
+    final = [re.search(r"\[eval test @ iter 2\].*success (\S+) grounding (\S+) \(([^)]*)\)",
+                       o.stdout).groups()
              for o in (whole, resumed)]
     assert final[0] == final[1]
     a, b = adapter_weights(whole_path), adapter_weights(split_path)
@@ -106,14 +110,16 @@ def test_resumed_run_gives_the_same_numbers_as_one_run(tmp_path):
 def test_resume_refuses_a_contradicting_flag(tmp_path):
     run(["--iterations", "1", "--run-dir", str(tmp_path), *SMALL], tmp_path)
     (run_path,) = glob.glob(str(tmp_path / "proxmo__*"))
-    result = run(["--resume", run_path, "--iterations", "2", "--advantage", "grpo"], tmp_path, expect=2)
+    result = run(["--resume", run_path, "--iterations", "2", "--advantage", "grpo"], tmp_path,
+                 expect=2)
     assert "--advantage grpo (saved: proxmo)" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_log_file_output_is_plain_lines(tmp_path):
-    """Not a terminal: no carriage returns, BC and RL progress as plain lines; --group-size 1 warns."""
-    out = run(["--iterations", "1", "--run-dir", str(tmp_path), *SMALL, *FROM_SCRATCH, "--group-size", "1"],
-              tmp_path)
+    """Not a terminal: no carriage returns, BC and RL progress as plain lines; --group-size 1
+    warns."""
+    out = run(["--iterations", "1", "--run-dir", str(tmp_path), *SMALL, *FROM_SCRATCH,
+               "--group-size", "1"], tmp_path)
     assert "\r" not in out.stdout
     assert re.search(r"^bc \d+/\d+ \[\d+s\] loss=\S+$", out.stdout, re.MULTILINE)
     assert re.search(r"^rl 1/1 \[\d+s\] success=\S+ grounding=\S+", out.stdout, re.MULTILINE)
@@ -122,9 +128,11 @@ def test_log_file_output_is_plain_lines(tmp_path):
 
 
 def test_same_seed_same_run(tmp_path):
-    outs = [run(["--iterations", "1", "--run-dir", str(tmp_path / str(k)), *SMALL, *FROM_SCRATCH], tmp_path).stdout
+    outs = [run(["--iterations", "1", "--run-dir", str(tmp_path / str(k)), *SMALL, *FROM_SCRATCH],
+                tmp_path).stdout
             for k in range(2)]
-    evals = [re.findall(r"\[eval test @ iter (\d+)\] success (\S+) grounding (\S+) \(([^)]*)\)", o) for o in outs]
+    evals = [re.findall(r"\[eval test @ iter (\d+)\] success (\S+) grounding (\S+) \(([^)]*)\)", o)
+             for o in outs]
     assert len(evals[0]) == 2 and evals[0] == evals[1]
     losses = [re.findall(r"final loss (\S+)\)", o) for o in outs]
     assert losses[0] and losses[0] == losses[1]
@@ -132,7 +140,8 @@ def test_same_seed_same_run(tmp_path):
 
 def test_help_lists_the_flags(tmp_path):
     out = run(["--help"], tmp_path).stdout
-    for flag in ("--advantage", "--psc-alpha", "--proximity-temperature", "--bc-epochs", "--backend", "--resume"):
+    for flag in ("--advantage", "--psc-alpha", "--proximity-temperature", "--bc-epochs",
+                 "--backend", "--resume"):
         assert flag in out
 
 
@@ -151,7 +160,8 @@ def test_help_lists_the_flags(tmp_path):
     (["--learning-rate", "-1"], "--learning-rate must be > 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--eval-splits", "valid_unseen"], "--eval-splits must be among train, valid, test"),
-    (["--group-size", "0", "--learning-rate", "-1"], "--group-size must be >= 1\n--learning-rate must be > 0"),
+    (["--group-size", "0", "--learning-rate", "-1"],
+     "--group-size must be >= 1\n--learning-rate must be > 0"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, tmp_path):
     """Rejected before any work: no behavior cloning, no configuration dump, no run directory."""

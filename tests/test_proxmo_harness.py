@@ -10,8 +10,8 @@ import torch
 import envs
 from common import UsageError
 from common.model import add_lora, load_model_and_tokenizer
-from proxmo import (PROMPT_WORDS, Args, Policy, build_prompt, chat_ids, encode_prompt, parse_args, policy_update,
-                    validate_args)
+from proxmo import (PROMPT_WORDS, Args, Policy, build_prompt, chat_ids, encode_prompt, parse_args,
+                    policy_update, validate_args)
 
 TASK = "put a mug in desk."
 OBS = "You arrive at desk 1. On the desk 1, you see a mug 1, and a pen 2."
@@ -23,7 +23,9 @@ HISTORY = [("You arrive at shelf 1. On the shelf 1, you see nothing.", "go to sh
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model_and_tokenizer("tiny-scratch", vocabulary=envs.vocabulary("household") + PROMPT_WORDS, seed=0)
+    return load_model_and_tokenizer("tiny-scratch",
+                                    vocabulary=envs.vocabulary("household") + PROMPT_WORDS,
+                                    seed=0)
 
 
 def prompt_with(tokenizer, history_length):
@@ -42,15 +44,16 @@ def test_a_long_prompt_drops_its_oldest_history_not_its_head(tiny):
     assert text.startswith("<|im_start|> user") and "task is to : put a mug in desk" in text
     assert text.rstrip().endswith("assistant")
     # Room for everything: nothing is dropped.
-    assert encode_prompt(Args(history_length=2, max_prompt_tokens=len(with_two)), tok, TASK, HISTORY, OBS,
-                         ADMISSIBLE, 4) == with_two
+    assert encode_prompt(Args(history_length=2, max_prompt_tokens=len(with_two)), tok, TASK,
+                         HISTORY, OBS, ADMISSIBLE, 4) == with_two
 
 
 def test_a_prompt_too_long_without_history_is_a_clear_error(tiny):
     _, tok = tiny
     bare = len(prompt_with(tok, 0))
     with pytest.raises(UsageError) as err:
-        encode_prompt(Args(history_length=2, max_prompt_tokens=bare - 1), tok, TASK, HISTORY, OBS, ADMISSIBLE, 4)
+        encode_prompt(Args(history_length=2, max_prompt_tokens=bare - 1), tok, TASK, HISTORY, OBS,
+                      ADMISSIBLE, 4)
     message = str(err.value)
     assert f"a prompt of {bare} tokens" in message and f"--max-prompt-tokens {bare - 1}" in message
 
@@ -63,8 +66,8 @@ def test_a_nan_update_stops_before_the_weights_change(tiny):
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         samples = [([5, 6, 7], [8, 9], float("nan"), None), ([5, 7], [9], 1.0, None)]
         with pytest.raises(FloatingPointError, match="iteration 3.*non-finite loss"):
-            policy_update(Args(micro_batch_size=4, minibatch_size=4), model, tok, optimizer, samples,
-                          torch.Generator().manual_seed(0), iteration=3)
+            policy_update(Args(micro_batch_size=4, minibatch_size=4), model, tok, optimizer,
+                          samples, torch.Generator().manual_seed(0), iteration=3)
         for n, p in model.named_parameters():
             if p.requires_grad:
                 assert torch.equal(p, before[n]), n
@@ -91,11 +94,15 @@ def test_recorded_old_logprobs_give_the_update_of_scored_ones(tiny):
                 for n, p in model.named_parameters():
                     if p.requires_grad:
                         p.copy_(start[n])
-            samples = [(p, r, (-1.0) ** k, lp) for k, (p, r, lp) in enumerate(zip(prompts, responses, recorded))]
-            # SGD: Adam's first steps are sign-like and would amplify float noise in tiny gradients.
+            samples = [(p, r, (-1.0) ** k, lp)
+                       for k, (p, r, lp) in enumerate(zip(prompts, responses, recorded))]
+            # SGD: Adam's first steps are sign-like and would amplify float noise in tiny
+            # gradients.
             optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-            stats = policy_update(args, model, tok, optimizer, samples, torch.Generator().manual_seed(0), 1)
-            weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            stats = policy_update(args, model, tok, optimizer, samples,
+                                  torch.Generator().manual_seed(0), 1)
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()
+                       if p.requires_grad}
             results.append((stats, weights))
     finally:
         model.unload()
@@ -119,23 +126,28 @@ def test_policy_generates_until_any_eos_of_the_generation_config(tiny):
 
 def test_presets_follow_the_model():
     tiny = parse_args([])
-    assert (tiny.model, tiny.bc_epochs, tiny.reasoning, tiny.eval_splits) == ("tiny", 0, False, ("test",))
+    assert (tiny.model, tiny.bc_epochs, tiny.reasoning,
+            tiny.eval_splits) == ("tiny", 0, False, ("test",))
     scratch = parse_args(["--model", "tiny-scratch"])
-    assert (scratch.bc_epochs, scratch.bc_full_params, scratch.iterations) == (3, True, tiny.iterations)
+    assert (scratch.bc_epochs, scratch.bc_full_params,
+            scratch.iterations) == (3, True, tiny.iterations)
     for tiny_model in ("tiny", "tiny-scratch"):
         errors = validate_args(parse_args(["--env", "alfworld", "--model", tiny_model]))
         assert any(e.startswith(f"--model {tiny_model} knows only the household") for e in errors)
     real = parse_args(["--model", "Qwen2.5-1.5B-Instruct", "--env", "alfworld"])
-    assert (real.iterations, real.bc_epochs, real.reasoning, real.learning_rate) == (150, 0, True, 1e-5)
+    assert (real.iterations, real.bc_epochs, real.reasoning,
+            real.learning_rate) == (150, 0, True, 1e-5)
     assert real.eval_splits == ("valid_unseen", "valid_seen")
-    assert parse_args(["--model", "Qwen2.5-1.5B-Instruct", "--no-reasoning", "--iterations", "3"]).reasoning is False
+    assert parse_args(["--model", "Qwen2.5-1.5B-Instruct", "--no-reasoning", "--iterations",
+                       "3"]).reasoning is False
 
 
 def test_every_nonsensical_value_gets_its_own_line():
-    errors = validate_args(Args(group_size=0, tasks_per_iteration=0, eval_num_tasks=-1, learning_rate=-1.0,
-                                max_new_tokens=0, gamma=1.5, clip_ratio_c=0.5, eval_splits=("valid_unseen",)))
-    for flag in ("--group-size", "--tasks-per-iteration", "--eval-num-tasks", "--learning-rate", "--max-new-tokens",
-                 "--gamma", "--clip-ratio-c", "--eval-splits"):
+    errors = validate_args(Args(group_size=0, tasks_per_iteration=0, eval_num_tasks=-1,
+                                learning_rate=-1.0, max_new_tokens=0, gamma=1.5, clip_ratio_c=0.5,
+                                eval_splits=("valid_unseen",)))
+    for flag in ("--group-size", "--tasks-per-iteration", "--eval-num-tasks", "--learning-rate",
+                 "--max-new-tokens", "--gamma", "--clip-ratio-c", "--eval-splits"):
         assert sum(line.startswith(flag) for line in errors) == 1, flag
     assert validate_args(Args()) == []
     errors = validate_args(Args(seed=-1, kl_coef=float("inf"), device="gpu"))
@@ -146,7 +158,8 @@ def saved_run(tmp_path, **overrides):
     run = tmp_path / "run"
     run.mkdir()
     args = json.loads(json.dumps(Args(advantage="grpo", iterations=4, **overrides).__dict__))
-    (run / "config.json").write_text(json.dumps({"command": "python proxmo.py --advantage grpo", "args": args}))
+    (run / "config.json").write_text(json.dumps({"command": "python proxmo.py --advantage grpo",
+                                                 "args": args}))
     return str(run)
 
 
@@ -161,10 +174,11 @@ def test_resume_takes_the_saved_configuration(tmp_path, capsys):
 def test_resume_fills_settings_missing_from_an_old_config_with_its_model_presets(tmp_path, capsys):
     run = tmp_path / "old"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"args": {"model": "Qwen2.5-1.5B-Instruct", "env": "alfworld",
-                                                            "device": "cuda"}}))
+    (run / "config.json").write_text(json.dumps({"args": {"model": "Qwen2.5-1.5B-Instruct",
+                                                          "env": "alfworld", "device": "cuda"}}))
     args = parse_args(["--resume", str(run), "--device", "cpu"])
-    assert (args.iterations, args.reasoning, args.eval_splits) == (150, True, ("valid_unseen", "valid_seen"))
+    assert (args.iterations, args.reasoning,
+            args.eval_splits) == (150, True, ("valid_unseen", "valid_seen"))
     assert args.device == "cpu" and "--device cpu overrides the saved" in capsys.readouterr().out
 
 
@@ -172,7 +186,8 @@ def test_resume_with_a_contradicting_flag_is_an_error(tmp_path):
     run = saved_run(tmp_path)
     with pytest.raises(UsageError) as err:
         parse_args(["--resume", run, "--advantage", "proxmo", "--kl-coef", "0"])
-    assert "--advantage proxmo (saved: grpo)" in str(err.value) and "--kl-coef 0.0 (saved: 0.01)" in str(err.value)
+    assert ("--advantage proxmo (saved: grpo)" in str(err.value)
+            and "--kl-coef 0.0 (saved: 0.01)" in str(err.value))
     with pytest.raises(UsageError, match="no config.json"):
         parse_args(["--resume", str(tmp_path)])
     assert os.path.isdir(run)

@@ -36,8 +36,8 @@ def play_greedy(model, tokenizer, task_indices: list[int]) -> tuple[list[dict], 
     """(games as recorded: task index, won, executed actions; the trajectories)."""
     args = preset_args()
     tasks = envs.list_tasks("household", "test")
-    trajs = rollout(args, tokenizer, Policy(args, model, tokenizer), [tasks[i] for i in task_indices],
-                    task_indices, temperature=0.0)
+    trajs = rollout(args, tokenizer, Policy(args, model, tokenizer),
+                    [tasks[i] for i in task_indices], task_indices, temperature=0.0)
     games = [{"task": i, "won": t["won"], "actions": [s["action"] for s in t["steps"]]}
              for i, t in zip(task_indices, trajs)]
     return games, trajs
