@@ -956,9 +956,11 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
     process computes the gradient of its members, and the sum over processes is the update."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
     dist = PartialState()
-    # Every response length of the batch, so each process knows a mini-batch's token count.
-    all_lengths = gather_object([len(s[1]) for s in samples])
-    first = sum(gather_object([len(samples)])[:dist.process_index])  # batch index of samples[0]
+    # Every process's response lengths, in process order: a mini-batch's token count over the
+    # whole batch, and where this process's samples start in it.
+    lengths_by_process = gather_object([[len(s[1]) for s in samples]])
+    all_lengths = [n for lengths in lengths_by_process for n in lengths]
+    first = sum(len(lengths) for lengths in lengths_by_process[:dist.process_index])
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
     lengths = [len(p) + len(r) for p, r, _, _ in samples]
