@@ -714,18 +714,19 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     (behavior-cloning data): each step records the expert's action as "label", but with
     probability args.bc_noise a mistake is executed instead (see _perturb).
 
-    Each trajectory: {"task_type", "group", "won", "rewards": [r_t], "steps": [{"prompt" (token
-    ids), "response_ids", "logprobs" (of the response tokens as sampled, or None), "state" (raw
-    observation = anchor text), "action" (executed), "valid" (admissible, from the env),
-    "well_formed" (see is_well_formed), "label"}]}.
+    Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
+    [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
+    None), "state" (raw observation = anchor text), "action" (executed), "next_state" (the
+    observation it got), "valid" (admissible, from the env), "well_formed" (see is_well_formed),
+    "label"}]}.
     seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
     seconds = defaultdict(float) if seconds is None else seconds
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert) for t in tasks]
     batch = EnvBatch(games)
     batch.reset()
-    trajs = [{"task_type": g.task_type, "group": gid, "won": False, "rewards": [], "steps": [],
-              "history": []} for g, gid in zip(games, group_ids)]
+    trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
+              "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
     while batch.active():
         active = batch.active()
         start = time.perf_counter()
@@ -761,8 +762,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             tr = trajs[i]
             tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
                                 "logprobs": logprobs[k], "state": states[i], "action": commands[k],
-                                "valid": bool(info["valid"]), "well_formed": well_formed[k],
-                                "label": labels[k]})
+                                "next_state": obs, "valid": bool(info["valid"]),
+                                "well_formed": well_formed[k], "label": labels[k]})
             tr["rewards"].append(reward)
             tr["history"].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
@@ -872,8 +873,9 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
 
 # ---- 8. Evaluation ------------------------------------------------------------------------------
 def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
-    """Success rate overall and per task type, and grounding accuracy (share of admissible
-    actions). With several processes each plays its share of the tasks; the stats are of all."""
+    """Success rate overall and per task type, and grounding accuracy: the share of admissible
+    actions over all steps, and its mean over trajectories (SPA's definition). With several
+    processes each plays its share of the tasks; the stats are of all."""
     dist = PartialState()
     share = process_share(len(tasks), dist.process_index, dist.num_processes)
     with torch.random.fork_rng():
@@ -887,6 +889,8 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     steps = [s for t in trajs for s in t["steps"]]
     stats = {f"eval_{split}/success": float(np.mean([t["won"] for t in trajs])),
              f"eval_{split}/grounding": float(np.mean([s["valid"] for s in steps])),
+             f"eval_{split}/grounding_per_trajectory": float(np.mean(
+                 [np.mean([s["valid"] for s in t["steps"]]) for t in trajs])),
              f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
              f"eval_{split}/tasks": len(trajs)}
     for task_type, wins in sorted(by_type.items()):

@@ -9,6 +9,7 @@ table gives the mean gain over seeds +- its standard error (sample std / sqrt(se
 Choose hyperparameters with --split valid; the test split is for the final table only.
 
     python benchmarks/learning.py                                   # ProxMO, GRPO, GiGPO x 3 seeds
+    python benchmarks/learning.py --script spa.py                   # SPA and its PPO baseline
     python benchmarks/learning.py --estimators proxmo --split valid -- --learning-rate 1e-3
 """
 
@@ -27,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The protocol's training budget on top of the script's tiny defaults, fixed beforehand so that a
 # run takes about 12 minutes on 2 cores; the hyperparameters themselves were not tuned.
 PROTOCOL_FLAGS = ["--iterations", "20", "--tasks-per-iteration", "8"]
+# Each script's values of --advantage: the method first, then its baselines.
+ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"]}
 
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:
@@ -79,8 +82,8 @@ def _last_value(command: list[str], flag: str) -> str | None:
 
 def table(script: str, split: str, results: dict[str, list[dict]]) -> str:
     """Markdown: one row per estimator, then one per estimator and task type."""
-    lines = [f"| script | estimator | seeds | start success | after RL | gain +- SE | "
-             f"grounding start -> end | minutes per run |",
+    lines = ["| script | estimator | seeds | start success | after RL | gain +- SE | "
+             "grounding start -> end | minutes per run |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     per_type = []
     for estimator, runs in results.items():
@@ -113,8 +116,10 @@ def main(argv: list[str]) -> str:
                                      epilog="Flags after -- go to every run of the script, after "
                                             "the protocol's: " + " ".join(PROTOCOL_FLAGS))
     parser.add_argument("--script", default="proxmo.py", help="method script (default proxmo.py)")
-    parser.add_argument("--estimators", nargs="+", default=["proxmo", "grpo", "gigpo"],
-                        help="values of the script's --advantage (default proxmo grpo gigpo)")
+    parser.add_argument("--estimators", nargs="+", default=None,
+                        help="values of the script's --advantage (default: the script's method "
+                             "and baselines, " + "; ".join(f"{k}: {' '.join(v)}"
+                                                           for k, v in ESTIMATORS.items()) + ")")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3],
                         help="training seeds (default 1 2 3)")
     parser.add_argument("--split", default="test", choices=["valid", "test"],
@@ -129,6 +134,10 @@ def main(argv: list[str]) -> str:
     args = parser.parse_args(own)
     if not os.path.isfile(os.path.join(ROOT, args.script)):
         parser.error(f"--script {args.script}: no such file in {ROOT}")
+    if args.estimators is None:
+        if args.script not in ESTIMATORS:
+            parser.error(f"--script {args.script}: name its --advantage values with --estimators")
+        args.estimators = ESTIMATORS[args.script]
     out_dir = os.path.join(args.out, time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
     results: dict[str, list[dict]] = {}

@@ -63,3 +63,16 @@ def test_the_protocol_runs_at_a_tiny_size(tmp_path):
     logs = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".log")]
     assert sorted(logs) == ["grpo-seed1.log", "grpo-seed2.log", "proxmo-seed1.log",
                             "proxmo-seed2.log"]
+
+
+def test_spa_runs_its_own_estimators_by_default(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/learning.py", "--script", "spa.py", "--seeds", "1",
+         "--split", "valid", "--eval-num-tasks", "3", "--out", str(tmp_path), "--",
+         "--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2",
+         "--max-episode-steps", "4", "--explore-num-tasks", "3", "--explore-rollouts", "2"],
+        cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+        timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = re.findall(r"^\| spa\.py \| (\w+) \| 1 \|", result.stdout, re.MULTILINE)
+    assert rows == ["spa", "ppo"]

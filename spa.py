@@ -1,0 +1,1654 @@
+"""SPA: Stepwise Progress Attribution (Wang et al., 2025), single-file reference.
+
+SPA turns the sparse outcome of an episode into a dense reward per step:
+  * a progress estimator (PE), the behavior-cloned model with a LoRA adapter and a scalar head,
+    reads a whole trajectory and gives each action a contribution c_t (Eq. 5); it is trained on
+    the start policy's own exploration rollouts so that a trajectory's contributions sum to its
+    outcome (Eqs. 6-7), then frozen;
+  * the step reward is r_t = alpha * c_t + beta * g_t (Eq. 8), g_t = 1 when the action could be
+    executed (grounding), and PPO with a critic (a value head on the policy) and GAE optimises
+    it (Eqs. 9-10). The outcome itself enters the reward only through the c_t.
+
+Where this script chooses, or departs from the paper and its released code (spec: `Choice:`):
+  * PE: the start policy's weights plus a fresh LoRA adapter and Linear(H, 1) on the final-norm
+    hidden state (the code: full fine-tuning, a head on the logits: the same function class);
+    `--pe-head mlp` for the paper's "light MLP". It reads [task and first observation, a_0, o_0,
+    ..., a_{n-1}] as one chat (the trailing observation dropped) at the closing token of every
+    reply; only the agent's replies are scored (the code also scores its "OK" message). A
+    trajectory longer than --pe-max-tokens is skipped in PE training and gets c_t = 0 in RL
+    (both counted in the logs).
+  * RL data: `--rl-data online` (default) rolls out the current policy every iteration and reads
+    the c_t of these new rollouts from the frozen PE; `--rl-data explore` trains on the
+    exploration rollouts themselves, as the released code does (old log-probs recomputed from the
+    current policy, so the ratio starts at 1).
+  * Critic: a Linear(H, 1) value head on the policy's final hidden state at the last prompt token
+    of each step (the position that predicts the action's first token), backbone and LoRA shared
+    with the policy, zero-initialised (V = 0 at the start), clipped value loss with coefficient
+    0.1 (trl's defaults).
+  * KL to the reference (the adapter disabled): kl_coef * sum over a step's tokens of
+    log pi_old - log pi_ref, subtracted from that step's reward (a fixed 0.3; the code adapts it
+    from 0.3 by less than 15 % over a run).
+  * One step advantage for every token of the reply; advantages whitened over the batch with the
+    population variance; returns (critic targets) un-whitened; V after the last step is 0, success
+    and step limit alike.
+  * Prompts, rollouts, evaluation and behavior cloning are this project's harness (the same as
+    proxmo.py): a windowed history prompt with the admissible actions, not the paper's ReAct
+    prompt with a one-shot example; evaluation samples at temperature 0.4 like every script here
+    (the paper decodes greedily: --eval-temperature 0).
+  * With `--model tiny`, the shipped start is already the behavior-cloned policy (the same expert,
+    this harness's BC): --bc-epochs 0. Real models clone first (--bc-epochs 3, LoRA, merged).
+
+Run:
+    python spa.py                           # tiny model, built-in household, CPU, minutes
+    python spa.py --advantage ppo           # the baseline: PPO on the sparse outcome
+    python spa.py --grounding-weight 0      # the ablations: without grounding (or
+                                            # --progress-weight 0: without stepwise progress)
+    python spa.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the real run
+
+Sections: 1 arguments, 2 prompts and parsing, 3 SPA rewards and advantages, 4 progress estimator,
+5 policy and value loss, 6 rollouts, 7 behavior cloning, 8 evaluation, 9 training loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import re
+import shlex
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Literal
+
+import numpy as np
+
+# Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
+# longer on 2 idle cores, half as long next to one busy process (README, "The default run"). An
+# OMP_WAIT_POLICY of your own wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast, broadcast_object_list, gather_object, reduce
+from torch import Tensor
+
+import envs
+from common import UsageError
+from common.envbatch import EnvBatch
+from common.generation import hf_generate, make_vllm_engine, vllm_generate
+from common.model import (add_lora, eos_token_ids, load_lora, load_model_and_tokenizer, merge_lora,
+                          pad_prompt_response, resolve_model_name, response_logprobs)
+from common.progress import Progress
+
+
+# ---- 1. Arguments -------------------------------------------------------------------------------
+@dataclass
+class Args:
+    """SPA (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
+
+    Defaults marked [preset: tiny X | real Y] depend on --model: a value that trains in minutes
+    on 2 CPU cores with `--model tiny` (or tiny-scratch), the paper's (or the authors' code's)
+    value with a real model. --help shows the defaults of the --model it is given. The resolved
+    values are printed. For data parallel, launch it with accelerate (README, "More than one
+    device")."""
+
+    exp_name: str = "spa"
+    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
+    seed: int = 1
+    """seeds python, numpy and torch (task sampling, LoRA init, rollout sampling); evaluations
+    draw from their own generator seeded with it"""
+    env: Literal["household", "alfworld"] = "household"
+    """household (built in, no download) or alfworld (needs $ALFWORLD_DATA)"""
+    model: str = "tiny"
+    """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct), tiny (the shipped
+    household start, assets/tiny-household) or tiny-scratch (random weights; BC first)"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout generation: transformers generate (KV cache) or vLLM with the LoRA adapter (GPU)"""
+    device: str = "cpu"
+    """torch device [preset: cuda when available, else cpu]"""
+    track: bool = False
+    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
+    wandb_project: str = "llm-agent-credit-assignment"
+    """Weights & Biases project of --track"""
+    run_dir: str = "runs"
+    """where run directories are created"""
+    resume: str | None = None
+    """a run directory (runs/NAME) to continue from its last checkpoint, with its saved
+    configuration; only --iterations and --device may differ from it"""
+
+    # Reward: the method and the baseline it is compared against.
+    advantage: Literal["spa", "ppo"] = "spa"
+    """spa: GAE over the fused reward alpha * c_t + beta * g_t (Eq. 8); ppo: GAE over the sparse
+    outcome (1 at the last step of a success), no progress estimator (the paper's PPO)"""
+    progress_weight: float = 1.0
+    """alpha, weight of the PE contribution c_t (Eq. 8); 0 = the "w/o stepwise progress"
+    ablation"""
+    grounding_weight: float = 0.5
+    """beta, weight of the grounding flag g_t (Eq. 8); 0 = the "w/o grounding" ablation"""
+    gamma: float = 0.99
+    """discount of GAE (the code's config)"""
+    gae_lambda: float = 0.95
+    """lambda of GAE (trl's default)"""
+    normalize_advantages: bool = True
+    """whiten the step advantages over the batch (population variance)"""
+    kl_coef: float = 0.3
+    """weight of the KL to the reference (the adapter disabled), sum over a step's tokens of
+    log pi_old - log pi_ref, subtracted from the step's reward; 0 skips the reference pass"""
+    vf_coef: float = 0.1
+    """weight of the value loss beside the policy loss"""
+    value_clip: float = 0.2
+    """the value prediction may move at most this far from the rollout's value (clipped loss)"""
+    value_learning_rate: float = 5e-3
+    """AdamW learning rate of the value head (the shared LoRA weights use --learning-rate)
+    [preset: tiny 5e-3 (at 5e-4 the critic explained none of the returns' variance in 8
+    iterations) | real 1e-5 (the code's single rate)]"""
+
+    # Exploration and the progress estimator (Eqs. 5-7)
+    rl_data: Literal["online", "explore"] = "online"
+    """online: every iteration rolls out the current policy; explore: RL on the exploration
+    rollouts, one pass in order (the released code)"""
+    explore_num_tasks: int = 64
+    """training tasks the start policy explores; 0 = every training task
+    [preset: tiny 64 | real 0]"""
+    explore_rollouts: int = 8
+    """M, rollouts per explored task [preset: tiny 8 | real 10]"""
+    explore_temperature: float = 0.7
+    """sampling temperature of the exploration rollouts"""
+    progress_model: str | None = None
+    """directory of a trained PE (a run's progress_model/): skips exploration and PE training"""
+    pe_epochs: int = 2
+    """epochs of PE training over the exploration rollouts [preset: tiny 2 | real 1]"""
+    pe_learning_rate: float = 1e-4
+    """AdamW learning rate of the PE's LoRA and head [preset: tiny 1e-4 | real 1e-5]"""
+    pe_batch_size: int = 8
+    """trajectories per PE update"""
+    pe_head: Literal["linear", "mlp"] = "linear"
+    """PE head on the final hidden state: Linear(H, 1), or Linear-ReLU-Linear (the paper's MLP)"""
+    pe_max_tokens: int = 2048
+    """longest trajectory the PE reads [preset: tiny 2048 | real 16384]"""
+    pe_heldout: float = 0.1
+    """share of the exploration rollouts held out to report the PE's fit (not trained on)"""
+
+    # RL
+    iterations: int = 8
+    """training iterations; 0 = behavior cloning, exploration, PE training and the start
+    evaluation only [preset: tiny 8 | real 150]"""
+    tasks_per_iteration: int = 4
+    """training tasks per iteration, each played --group-size times [preset: tiny 4 | real 16]"""
+    group_size: int = 8
+    """N trajectories per task (SPA needs no groups: the batch shape of every script here)"""
+    max_episode_steps: int = 30
+    """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 50]"""
+    learning_rate: float = 5e-4
+    """AdamW learning rate of the LoRA weights [preset: tiny 5e-4 | real 1e-5 (the code's)]"""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the RL update"""
+    clip_eps: float = 0.2
+    """PPO clip range epsilon of the ratio (Eq. 10)"""
+    clip_ratio_c: float | None = None
+    """dual-clip bound c > 1: for negative advantages the loss is at most -c * A (off by default;
+    veRL's 3.0)"""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus"""
+    ppo_epochs: int = 1
+    """passes over an iteration's step samples [preset: tiny 1 | real 4 (trl's)]"""
+    minibatch_size: int = 256
+    """step samples per optimizer step"""
+    micro_batch_size: int = 16
+    """step samples per forward pass [preset: tiny 16 (faster on CPU than 64) | real 8]"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip of every optimizer step"""
+    rollout_temperature: float = 1.0
+    """sampling temperature of training rollouts; PPO scores responses under the same tempered
+    policy, softmax(logits / temperature)"""
+    eval_top_p: float = 1.0
+    """nucleus sampling of evaluation (1 = off); training rollouts always sample the full
+    softmax(logits / T) that PPO scores"""
+    max_new_tokens: int = 12
+    """response length limit [preset: tiny 12 | real 512]"""
+    max_prompt_tokens: int = 2048
+    """prompt length limit; longer prompts drop their oldest history pairs first"""
+    history_length: int = 1
+    """past (observation, action) pairs shown in the prompt [preset: tiny 1 | real 2 (paper)]"""
+    reasoning: bool = False
+    """ask for <think> reasoning before the action [preset: tiny off | real on]"""
+
+    # LoRA
+    lora_r: int = 16
+    """LoRA rank of the RL adapter, the PE's adapter (and of BC without --bc-full-params)
+    [preset: tiny 16 | real 8 (the code's)]"""
+    lora_alpha: int = 32
+    """LoRA alpha (the update is scaled by alpha / r) [preset: tiny 32 | real 16]"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names, or all-linear"""
+
+    # Behavior cloning on expert trajectories (SPA's first stage)
+    bc_epochs: int = 0
+    """epochs of BC before exploration; 0 skips it [preset: tiny 0 (the shipped model is the
+    cloned policy) | tiny-scratch 3 | real 3 (the paper's SFT)]"""
+    bc_full_params: bool = True
+    """train every weight during BC instead of a LoRA adapter [preset: tiny on (random
+    embeddings are out of LoRA's reach) | real off]"""
+    bc_num_tasks: int = 400
+    """training tasks the expert plays for BC demonstrations"""
+    bc_noise: float = 0.2
+    """share of demonstration steps where a mistake is executed instead of the expert's action
+    (the label stays the expert's), so BC also sees recoveries"""
+    bc_prompt_loss_weight: float = 1.0
+    """weight of the prompt tokens' next-token loss in BC (see bc_loss)
+    [preset: tiny 1 | real 0]"""
+    bc_learning_rate: float = 2e-3
+    """AdamW learning rate of behavior cloning [preset: tiny 2e-3 | real 1e-4]"""
+    bc_batch_size: int = 8
+    """demonstration steps per BC update [preset: tiny 8 | real 16]"""
+
+    # Evaluation
+    eval_splits: tuple[str, ...] = ("test",)
+    """splits to evaluate on, the first is the headline [preset: household test | alfworld
+    valid_unseen valid_seen (unseen is the papers' headline)]"""
+    eval_every: int = 8
+    """iterations between evaluations, besides iteration 0 and the last
+    [preset: tiny 8 | real 5]"""
+    eval_num_tasks: int = 200
+    """first tasks of each split to evaluate; 0 = the whole split [preset: tiny 200 | real 0]"""
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation (0.4 in every script here; SPA's paper decodes
+    greedily: 0)"""
+    save_every: int = 10
+    """iterations between checkpoints (the last iteration is always saved)"""
+
+    # vLLM
+    vllm_gpu_memory_utilization: float = 0.35
+    """share of GPU memory vLLM may take (the rest holds the training model)"""
+
+
+REAL_MODEL_PRESETS = dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50,
+                          learning_rate=1e-5, micro_batch_size=8, max_new_tokens=512,
+                          history_length=2, reasoning=True, bc_epochs=3, bc_full_params=False,
+                          bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
+                          eval_every=5, eval_num_tasks=0, ppo_epochs=4, lora_r=8, lora_alpha=16,
+                          explore_num_tasks=0, explore_rollouts=10, pe_epochs=1,
+                          pe_learning_rate=1e-5, pe_max_tokens=16384, value_learning_rate=1e-5)
+TINY_SCRATCH_PRESETS = dict(bc_epochs=3)
+
+
+def preset_args(model: str = "tiny", env: str = "household") -> Args:
+    """The defaults for `model` and `env`: the dataclass's (tiny presets), with
+    TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top."""
+    args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
+                device="cuda" if torch.cuda.is_available() else "cpu")
+    if model == "tiny-scratch":
+        return replace(args, **TINY_SCRATCH_PRESETS)
+    return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)
+
+
+def validate_args(args: Args) -> list[str]:
+    """One line per nonsensical value; [] when all are usable."""
+    a = args
+    floats = [f.name for f in fields(Args) if isinstance(getattr(a, f.name), float)]
+    rules = [(math.isfinite(getattr(a, name)), f"--{name.replace('_', '-')} must be finite")
+             for name in floats]
+    rules += [
+        (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
+        (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
+         f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
+        (a.iterations >= 0, "--iterations must be >= 0"),
+        (a.model not in ("tiny", "tiny-scratch") or a.env == "household",
+         f"--model {a.model} knows only the household's words; for --env {a.env} pass a real "
+         "model, e.g. --model Qwen2.5-1.5B-Instruct"),
+        (a.tasks_per_iteration >= 1, "--tasks-per-iteration must be >= 1"),
+        (a.group_size >= 1, "--group-size must be >= 1"),
+        (a.max_episode_steps >= 1, "--max-episode-steps must be >= 1"),
+        (a.learning_rate > 0, "--learning-rate must be > 0"),
+        (a.weight_decay >= 0, "--weight-decay must be >= 0"),
+        (0 < a.clip_eps < 1, "--clip-eps must be in (0, 1)"),
+        (a.clip_ratio_c is None or a.clip_ratio_c > 1, "--clip-ratio-c must be > 1"),
+        (a.entropy_coef >= 0, "--entropy-coef must be >= 0"),
+        (a.ppo_epochs >= 1, "--ppo-epochs must be >= 1"),
+        (a.minibatch_size >= 1, "--minibatch-size must be >= 1"),
+        (a.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
+        (a.max_grad_norm > 0, "--max-grad-norm must be > 0"),
+        (a.rollout_temperature > 0,
+         "--rollout-temperature must be > 0: the N trajectories of a group must be sampled"),
+        (0 < a.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
+        (a.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (a.max_prompt_tokens >= 1, "--max-prompt-tokens must be >= 1"),
+        (a.history_length >= 0, "--history-length must be >= 0"),
+        (a.progress_weight >= 0, "--progress-weight must be >= 0"),
+        (a.grounding_weight >= 0, "--grounding-weight must be >= 0"),
+        (0 < a.gamma <= 1, "--gamma must be in (0, 1]"),
+        (0 <= a.gae_lambda <= 1, "--gae-lambda must be in [0, 1]"),
+        (a.kl_coef >= 0, "--kl-coef must be >= 0"),
+        (a.vf_coef >= 0, "--vf-coef must be >= 0"),
+        (a.value_clip > 0, "--value-clip must be > 0"),
+        (a.value_learning_rate > 0, "--value-learning-rate must be > 0"),
+        (a.explore_num_tasks >= 0, "--explore-num-tasks must be >= 0 (0 = every training task)"),
+        (a.explore_rollouts >= 1, "--explore-rollouts must be >= 1"),
+        (a.explore_temperature > 0, "--explore-temperature must be > 0"),
+        (a.progress_model is None or os.path.isdir(a.progress_model),
+         f"--progress-model {a.progress_model}: no such directory"),
+        (a.progress_model is None or a.advantage == "spa",
+         "--progress-model is read by --advantage spa only"),
+        (a.rl_data == "online" or a.advantage == "spa",
+         "--rl-data explore needs --advantage spa (it trains on the exploration rollouts)"),
+        (a.rl_data == "online" or a.progress_model is None,
+         "--rl-data explore needs the exploration rollouts: drop --progress-model"),
+        (a.pe_epochs >= 1, "--pe-epochs must be >= 1"),
+        (a.pe_learning_rate > 0, "--pe-learning-rate must be > 0"),
+        (a.pe_batch_size >= 1, "--pe-batch-size must be >= 1"),
+        (a.pe_max_tokens >= 16, "--pe-max-tokens must be >= 16"),
+        (0 <= a.pe_heldout < 1, "--pe-heldout must be in [0, 1)"),
+        (a.lora_r >= 1, "--lora-r must be >= 1"),
+        (a.lora_alpha > 0, "--lora-alpha must be > 0"),
+        (0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
+        (a.bc_epochs >= 0, "--bc-epochs must be >= 0"),
+        (a.bc_num_tasks >= 1, "--bc-num-tasks must be >= 1"),
+        (0 <= a.bc_noise <= 1, "--bc-noise must be in [0, 1]"),
+        (a.bc_prompt_loss_weight >= 0, "--bc-prompt-loss-weight must be >= 0"),
+        (a.bc_learning_rate > 0, "--bc-learning-rate must be > 0"),
+        (a.bc_batch_size >= 1, "--bc-batch-size must be >= 1"),
+        (len(a.eval_splits) >= 1, "--eval-splits needs at least one split"),
+        (all(s in envs.SPLITS[a.env] for s in a.eval_splits),
+         f"--eval-splits must be among {', '.join(envs.SPLITS[a.env])} for --env {a.env}"),
+        (a.eval_every >= 1, "--eval-every must be >= 1"),
+        (a.eval_num_tasks >= 0, "--eval-num-tasks must be >= 0 (0 = the whole split)"),
+        (a.eval_temperature >= 0, "--eval-temperature must be >= 0 (0 = greedy)"),
+        (a.save_every >= 1, "--save-every must be >= 1"),
+        (0 < a.vllm_gpu_memory_utilization <= 1,
+         "--vllm-gpu-memory-utilization must be in (0, 1]"),
+        (a.backend == "hf" or a.device.startswith("cuda"),
+         "--backend vllm needs a CUDA GPU; use --backend hf on CPU"),
+    ]
+    return [message for ok, message in rules if not ok]
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Command line -> Args. Defaults are the presets of the --model and --env given; with
+    --resume, the run's saved configuration, which flags on the command line may not contradict
+    (only --iterations may change, with a printed note)."""
+    import argparse
+
+    import tyro
+
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--model", default="tiny")
+    peek.add_argument("--env", default="household")
+    peek.add_argument("--resume", default=None)
+    known, _ = peek.parse_known_args(argv)
+    if known.resume is None:
+        env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
+        return tyro.cli(Args, args=argv, default=preset_args(known.model, env))
+    config_file = os.path.join(known.resume, "config.json")
+    if not os.path.isdir(known.resume):
+        raise UsageError(f"--resume {known.resume}: no such run directory")
+    if not os.path.isfile(config_file):
+        raise UsageError(f"--resume {known.resume}: no config.json in it (not a run directory of "
+                         "this script?)")
+    with open(config_file) as f:
+        saved = json.load(f)["args"]
+    unknown = sorted(set(saved) - {f.name for f in fields(Args)})
+    if unknown:
+        raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
+                         f"the script does not know: {', '.join(unknown)}")
+    defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household")))
+    merged = {**defaults, **saved}
+    saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
+    args = tyro.cli(Args, args=argv, default=saved)
+    overridable = ("iterations", "device")
+    changed = [f.name for f in fields(Args) if f.name not in ("resume", *overridable)
+               and getattr(args, f.name) != getattr(saved, f.name)]
+    if changed:
+        contradictions = [f"--{n.replace('_', '-')} {getattr(args, n)} "
+                          f"(saved: {getattr(saved, n)})" for n in changed]
+        raise UsageError("--resume continues the saved configuration; these flags contradict it: "
+                         + ", ".join(contradictions))
+    for name in overridable:
+        given, before = getattr(args, name), getattr(saved, name)
+        if given != before:
+            print(f"note: --{name} {given} overrides the saved {before}")
+    return args
+
+
+# ---- 2. Prompts and action parsing --------------------------------------------------------------
+PROMPT_INTRO = "You are an agent in a household. Your task is to: {task}"
+PROMPT_HISTORY = "You have taken {steps} step(s). Your last {k} observation(s) and action(s):"
+PROMPT_NOW = "Step {step}. Current observation: {obs}\nAdmissible actions: {actions}"
+ASK_REASONING = ("First think step by step inside <think> </think>, then give exactly one "
+                 "admissible action inside <action> </action>.")
+ASK_ACTION = "Reply with exactly one admissible action inside <action> </action>."
+PROMPT_WORDS = re.findall(r"[a-z]+", " ".join([PROMPT_INTRO, PROMPT_HISTORY, PROMPT_NOW,
+                                               ASK_REASONING, ASK_ACTION,
+                                               "observation action"]).lower())
+
+
+def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible: list[str],
+                 step: int, history_length: int, reasoning: bool) -> str:
+    """The user message at one step: task, last `history_length` (obs, action) pairs, current
+    observation and admissible actions (the GiGPO/ProxMO ALFWorld template, in our own words)."""
+    lines = [PROMPT_INTRO.format(task=task)]
+    recent = history[-history_length:] if history_length > 0 else []
+    if recent:
+        lines.append(PROMPT_HISTORY.format(steps=len(history), k=len(recent)))
+        first = len(history) - len(recent) + 1
+        for k, (past_obs, past_action) in enumerate(recent):
+            lines.append(f"[observation {first + k}] {past_obs} "
+                         f"[action {first + k}] {past_action}")
+    lines.append(PROMPT_NOW.format(step=step, obs=obs, actions=", ".join(admissible)))
+    lines.append(ASK_REASONING if reasoning else ASK_ACTION)
+    return "\n".join(lines)
+
+
+_warned_history_cut = False
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of `text` as the user turn of a chat, followed by the assistant's header."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer(chat, add_special_tokens=False).input_ids
+
+
+def encode_prompt(args: Args, tokenizer, task: str, history: list[tuple[str, str]], obs: str,
+                  admissible: list[str], step: int) -> list[int]:
+    """Prompt ids of one step, at most --max-prompt-tokens long. A prompt that is too long drops
+    its oldest history pairs first (with a warning, once); the chat header, the task, the current
+    observation and the admissible actions are never cut. Without any history still too long: a
+    UsageError naming the sizes and the flags to change."""
+    global _warned_history_cut
+    shown = min(args.history_length, len(history))
+    for k in range(shown, -1, -1):
+        text = build_prompt(task, history, obs, admissible, step, k, args.reasoning)
+        ids = chat_ids(tokenizer, text)
+        if len(ids) <= args.max_prompt_tokens:
+            if k < shown and not _warned_history_cut:
+                _warned_history_cut = True
+                print(f"warning: a prompt with {shown} history pair(s) exceeded "
+                      f"--max-prompt-tokens {args.max_prompt_tokens}; it keeps only the last {k} "
+                      "(raise --max-prompt-tokens or lower --history-length)", file=sys.stderr)
+            return ids
+    raise UsageError(f"a prompt of {len(ids)} tokens without any history (task, observation and "
+                     f"{len(admissible)} admissible actions) exceeds --max-prompt-tokens "
+                     f"{args.max_prompt_tokens}; raise --max-prompt-tokens")
+
+
+ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
+
+
+def parse_action(response: str) -> str | None:
+    """The lowercased text of the last <action>...</action>, or None when there is none."""
+    found = ACTION_RE.findall(response)
+    if not found:
+        return None
+    action = " ".join(found[-1].strip().strip('"').lower().split())
+    return action or None
+
+
+THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+CHINESE_RE = re.compile(r"[\u4e00-\u9fff]")
+
+
+def is_well_formed(response: str, reasoning: bool) -> bool:
+    """The spec's (and verl-agent's) validity flag of a reply: an <action>...</action>, with
+    `reasoning` also a <think>...</think>, and no Chinese characters. Whether the action is
+    admissible is the environment's business (grounding), not this flag's."""
+    if parse_action(response) is None or CHINESE_RE.search(response):
+        return False
+    return not reasoning or THINK_RE.search(response) is not None
+
+
+# ---- 3. SPA rewards and advantages (pure functions: lists or tensors in, no grad) ---------------
+def action_end_positions(assistant_mask: list[int]) -> list[int]:
+    """Index of the last 1 in each maximal run of 1s: the token closing each reply, where the PE
+    reads c_t (Eq. 5). [0,0,1,1,0,0,1,1,1,0] -> [3, 8]; a mask ending in 1 gives its last index;
+    [] and all zeros -> []."""
+    n = len(assistant_mask)
+    return [j for j in range(n) if assistant_mask[j] and (j + 1 == n or not assistant_mask[j + 1])]
+
+
+def progress_estimator_loss(step_scores: list[Tensor], final_rewards: Tensor) -> Tensor:
+    """Eq. 7: mean over trajectories of (R^ - R)^2, R^ = the sum of the trajectory's contributions
+    (Eq. 6). step_scores[i]: (n_i,) c_t of trajectory i; final_rewards: (B,) outcomes (0/1 here,
+    any real number works). A scalar with the gradient of the scores. ValueError for an empty
+    trajectory or B mismatch."""
+    if len(step_scores) != len(final_rewards):
+        raise ValueError(f"{len(step_scores)} trajectories but {len(final_rewards)} rewards")
+    if any(s.numel() == 0 for s in step_scores):
+        raise ValueError("a trajectory without steps has no contributions to sum")
+    predicted = torch.stack([s.sum() for s in step_scores])  # Eq. 6
+    return ((predicted - final_rewards.to(predicted)) ** 2).mean()  # Eq. 7
+
+
+def grounding_flag(observation: str, parsed_ok: bool, env_name: str) -> int:
+    """g_t of Eq. 8: 0 when the reply did not parse or the environment answered "Nothing
+    happens." (it could not execute the action), else 1. env_name must be one of this project's
+    environments (household, alfworld); ValueError otherwise, checked first."""
+    if env_name not in envs.ENV_NAMES:
+        raise ValueError(f"grounding_flag: unknown environment {env_name!r}; "
+                         f"one of {', '.join(envs.ENV_NAMES)}")
+    return int(parsed_ok and observation.strip() != "Nothing happens.")
+
+
+def fused_rewards(contribs: list[float], grounded: list[int], alpha: float = 1.0,
+                  beta: float = 0.5, step_kl: list[float] | None = None,
+                  kl_coef: float = 0.0) -> list[float]:
+    """Eq. 8 for one trajectory: r_t = alpha * c_t + beta * g_t, minus kl_coef * step_kl_t when
+    step_kl is given (the KL to the reference, summed over the step's tokens). (n,) lists in,
+    (n,) list out; [] -> []. ValueError when the lengths differ."""
+    if len(grounded) != len(contribs):
+        raise ValueError(f"{len(contribs)} contributions but {len(grounded)} grounding flags")
+    if step_kl is not None and len(step_kl) != len(contribs):
+        raise ValueError(f"{len(contribs)} contributions but {len(step_kl)} step KLs")
+    rewards = [alpha * float(c) + beta * float(g) for c, g in zip(contribs, grounded)]
+    if step_kl is not None:
+        rewards = [r - kl_coef * float(kl) for r, kl in zip(rewards, step_kl)]
+    return rewards
+
+
+def gae(rewards: list[float], values: list[float], gamma: float = 0.99, lam: float = 0.95,
+        last_value: float = 0.0) -> tuple[list[float], list[float]]:
+    """GAE over one trajectory (Eq. 10's delta with Eq. 3's sum): delta_t = r_t + gamma * V_{t+1}
+    - V_t, A_t = delta_t + gamma * lam * A_{t+1}, V_n = last_value (0 in SPA: success and step
+    limit alike end the episode). Returns (advantages, returns = A + V, the critic's targets);
+    (n,) lists in and out; ValueError when the lengths differ; [] -> ([], [])."""
+    if len(rewards) != len(values):
+        raise ValueError(f"{len(rewards)} rewards but {len(values)} values")
+    advantages = [0.0] * len(rewards)
+    next_value, running = float(last_value), 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        delta = float(rewards[t]) + gamma * next_value - float(values[t])
+        running = delta + gamma * lam * running
+        advantages[t] = running
+        next_value = float(values[t])
+    return advantages, [a + float(v) for a, v in zip(advantages, values)]
+
+
+def whiten(xs: list[float], eps: float = 1e-8) -> list[float]:
+    """(x - mean) / sqrt(population variance + eps) over the flat list; one value or all equal
+    -> zeros; [] -> []."""
+    if not xs:
+        return []
+    mean = sum(xs) / len(xs)
+    variance = sum((x - mean) ** 2 for x in xs) / len(xs)
+    return [(x - mean) / math.sqrt(variance + eps) for x in xs]
+
+
+def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gamma: float = 0.99,
+                   lam: float = 0.95, normalize: bool = True,
+                   kl_coef: float = 0.0) -> tuple[list[list[float]], list[list[float]]]:
+    """The whole batch: per trajectory fused_rewards (Eq. 8) then gae; with normalize, the
+    advantages are whitened pooled over every step of the batch and split back.
+
+    batch[i] = {"contribs": (n_i,), "grounded": (n_i,), "values": (n_i,), optional "step_kl"
+    (n_i,)}; other keys are ignored. step_kl is used only when kl_coef > 0 (an entry without it
+    gets no KL term). Returns (advantages per trajectory, un-whitened returns per trajectory);
+    an empty trajectory gives [] and stays out of the whitening; [] -> ([], [])."""
+    advantages, returns = [], []
+    for traj in batch:
+        step_kl = traj.get("step_kl") if kl_coef > 0 else None
+        rewards = fused_rewards(traj["contribs"], traj["grounded"], alpha, beta, step_kl,
+                                kl_coef)
+        adv, ret = gae(rewards, traj["values"], gamma, lam)
+        advantages.append(adv)
+        returns.append(ret)
+    if normalize:
+        flat = whiten([a for adv in advantages for a in adv])
+        offsets = np.cumsum([0] + [len(adv) for adv in advantages])
+        advantages = [flat[offsets[i]:offsets[i + 1]] for i in range(len(advantages))]
+    return advantages, returns
+
+
+def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list]:
+    """(advantages, returns) per step of every trajectory of a batch (summaries with "contribs",
+    "values" and "step_kl" per step): SPA's fused reward, or with --advantage ppo the sparse
+    outcome in place of the contributions and no grounding term."""
+    batch = []
+    for t in trajectories:
+        steps = t["steps"]
+        if args.advantage == "spa":
+            contribs = [s["contrib"] for s in steps]
+            grounded = [grounding_flag(s["next_state"], s["well_formed"], args.env) for s in steps]
+        else:
+            contribs, grounded = list(t["rewards"]), [0] * len(steps)
+        batch.append({"contribs": contribs, "grounded": grounded,
+                      "values": [s["value"] for s in steps],
+                      "step_kl": [s["step_kl"] for s in steps]})
+    alpha, beta = args.progress_weight, args.grounding_weight
+    if args.advantage == "ppo":
+        alpha, beta = 1.0, 0.0
+    return spa_advantages(batch, alpha, beta, args.gamma, args.gae_lambda,
+                          args.normalize_advantages, args.kl_coef)
+
+
+# ---- 4. Progress estimator (Eqs. 5-7) -----------------------------------------------------------
+def final_hidden_states(model, input_ids: Tensor, attention_mask: Tensor,
+                        position_ids: Tensor | None = None) -> Tensor:
+    """(B, L) -> (B, L, H): the last layer's hidden states after the final norm (what the LM head
+    reads), LoRA included, for a plain or a PEFT causal LM."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = inner.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
+def make_head(hidden_size: int, kind: str, device) -> torch.nn.Module:
+    """Scalar head in float32: Linear(H, 1), or Linear(H, H)-ReLU-Linear(H, 1). The output layer
+    starts at zero, so a new head predicts 0 (a value head's first advantages are then the plain
+    discounted rewards)."""
+    layers = [torch.nn.Linear(hidden_size, hidden_size), torch.nn.ReLU()] if kind == "mlp" else []
+    layers.append(torch.nn.Linear(hidden_size, 1))
+    torch.nn.init.zeros_(layers[-1].weight)
+    torch.nn.init.zeros_(layers[-1].bias)
+    return torch.nn.Sequential(*layers).to(device=device, dtype=torch.float32)
+
+
+def trajectory_messages(traj: dict, tokenizer) -> list[dict]:
+    """What the PE reads of a trajectory, as a chat: the task and first observation, then every
+    reply a_t and the observation o_t it got; the trailing observation is dropped."""
+    steps = traj["steps"]
+    messages = [{"role": "user",
+                 "content": PROMPT_INTRO.format(task=traj["task"]) + "\n" + steps[0]["state"]}]
+    for t, step in enumerate(steps):
+        reply = tokenizer.decode(step["response_ids"], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        if t + 1 < len(steps):
+            messages.append({"role": "user", "content": steps[t + 1]["state"]})
+    return messages
+
+
+def encode_trajectory(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(token ids of the chat, assistant mask): 1 on each reply's tokens and on the token that
+    closes it (<|im_end|>), the read position of action_end_positions."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [start for start, _ in encoded.offset_mapping]
+    mask = [0] * len(starts)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        head = tokenizer.apply_chat_template(messages[:k], tokenize=False,
+                                             add_generation_prompt=True)
+        begin, end = len(head), len(head) + len(message["content"])
+        if not text.startswith(head) or text[begin:end] != message["content"]:
+            raise UsageError("this tokenizer's chat template rewrites the agent's replies; the "
+                             "progress estimator needs them verbatim")
+        closing = next(j for j, s in enumerate(starts) if s >= end)
+        for j in range(len(starts)):
+            if begin <= starts[j] < end or j == closing:
+                mask[j] = 1
+    return encoded.input_ids, mask
+
+
+def progress_forward(pe, head, sequences: list[tuple[list[int], list[int]]],
+                     pad_id: int) -> list[Tensor]:
+    """c_t = head(h_t) (Eq. 5) for each (ids, assistant mask): h_t is the final hidden state at
+    the token closing reply t (causal attention: it sees s_t and a_t only). Returns (n_i,)
+    tensors, with the gradient of the PE's trainable weights when enabled."""
+    device = next(head.parameters()).device
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, (ids, _) in enumerate(sequences):  # right padding: positions 0.. of every row
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        attention[i, :len(ids)] = 1
+    hidden = final_hidden_states(pe, input_ids.to(device), attention.to(device))
+    return [head(hidden[i, action_end_positions(mask)].float()).squeeze(-1)
+            for i, (_, mask) in enumerate(sequences)]
+
+
+def explore(args: Args, policy: Policy, tasks: list) -> list[dict]:
+    """D_explore: the start policy plays every task --explore-rollouts times at
+    --explore-temperature, in chunks of one RL batch's size (games in lock-step)."""
+    copies = [t for t in tasks for _ in range(args.explore_rollouts)]
+    groups = [g for g in range(len(tasks)) for _ in range(args.explore_rollouts)]
+    chunk = args.tasks_per_iteration * args.group_size
+    progress = Progress(len(copies), "explore")
+    trajs: list[dict] = []
+    for start in range(0, len(copies), chunk):
+        trajs += rollout(args, policy.tokenizer, policy, copies[start:start + chunk],
+                         groups[start:start + chunk], args.explore_temperature)
+        progress.update(len(copies[start:start + chunk]),
+                        success=float(np.mean([t["won"] for t in trajs])))
+    progress.close()
+    return trajs
+
+
+def train_progress_estimator(args: Args, pe, head, tokenizer, trajs: list[dict],
+                             rng: random.Random) -> dict:
+    """Eq. 7 over the exploration rollouts, --pe-epochs epochs of batches of --pe-batch-size
+    trajectories; a held-out share (--pe-heldout) reports the fit beside a constant predictor's.
+    Trains the PE's LoRA adapter and head in place, then freezes them."""
+    encoded = [encode_trajectory(tokenizer, trajectory_messages(t, tokenizer)) for t in trajs]
+    keep = [i for i, (ids, _) in enumerate(encoded) if len(ids) <= args.pe_max_tokens]
+    rng.shuffle(keep)
+    n_heldout = int(len(keep) * args.pe_heldout)
+    heldout, train = keep[:n_heldout], keep[n_heldout:]
+    if not train:
+        raise UsageError(f"no exploration rollout fits --pe-max-tokens {args.pe_max_tokens} "
+                         f"(of {len(trajs)}); raise it")
+    outcomes = torch.tensor([float(t["won"]) for t in trajs])
+    params = [p for p in pe.parameters() if p.requires_grad] + list(head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.pe_learning_rate, weight_decay=0.0)
+    batches_per_epoch = math.ceil(len(train) / args.pe_batch_size)
+    print(f"progress estimator: {len(train)} rollouts to train on, {len(heldout)} held out, "
+          f"{len(trajs) - len(keep)} longer than --pe-max-tokens skipped, {args.pe_epochs} "
+          f"epochs, {args.pe_epochs * batches_per_epoch} updates")
+    pe.train()
+    progress = Progress(args.pe_epochs * batches_per_epoch, "pe")
+    losses: list[float] = []
+    for _ in range(args.pe_epochs):
+        rng.shuffle(train)
+        for start in range(0, len(train), args.pe_batch_size):
+            batch = train[start:start + args.pe_batch_size]
+            scores = progress_forward(pe, head, [encoded[i] for i in batch],
+                                      tokenizer.pad_token_id)
+            loss = progress_estimator_loss(scores, outcomes[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            check_finite(f"progress estimator, update {progress.count + 1}", loss=loss.item(),
+                         grad_norm=grad_norm.item())
+            optimizer.step()
+            losses.append(loss.item())
+            progress.update(1, loss=float(np.mean(losses[-batches_per_epoch:])))
+    progress.close()
+    pe.eval()
+    pe.requires_grad_(False)
+    head.requires_grad_(False)
+    stats = {"pe/train_loss": float(np.mean(losses[-batches_per_epoch:])),
+             "pe/rollouts": len(train), "pe/skipped_too_long": len(trajs) - len(keep),
+             "pe/explore_success": float(outcomes.mean())}
+    if heldout:
+        with torch.no_grad():
+            scores = [c for k in range(0, len(heldout), args.pe_batch_size)
+                      for c in progress_forward(pe, head, [encoded[i] for i in
+                                                           heldout[k:k + args.pe_batch_size]],
+                                                tokenizer.pad_token_id)]
+        constant = torch.full((len(heldout),), outcomes[train].mean().item())
+        stats["pe/heldout_mse"] = progress_estimator_loss(scores, outcomes[heldout]).item()
+        stats["pe/heldout_mse_of_constant"] = ((constant - outcomes[heldout]) ** 2).mean().item()
+    return stats
+
+
+def score_progress(args: Args, pe, head, tokenizer, trajs: list[dict]) -> int:
+    """Writes "contrib" (c_t, Eq. 5, no gradient) into every step; a trajectory longer than
+    --pe-max-tokens gets 0 for every step. Returns how many were that long."""
+    encoded = [encode_trajectory(tokenizer, trajectory_messages(t, tokenizer)) for t in trajs]
+    fits = [i for i, (ids, _) in enumerate(encoded) if len(ids) <= args.pe_max_tokens]
+    lengths = [len(ids) for ids, _ in encoded]
+    for t in trajs:
+        for s in t["steps"]:
+            s["contrib"] = 0.0
+    with torch.no_grad():
+        for idx in length_sorted_chunks(fits, lengths, args.pe_batch_size):
+            for i, c in zip(idx, progress_forward(pe, head, [encoded[i] for i in idx],
+                                                  tokenizer.pad_token_id)):
+                for s, value in zip(trajs[i]["steps"], c.tolist()):
+                    s["contrib"] = value
+    return len(trajs) - len(fits)
+
+
+def save_progress_estimator(path: str, pe, head) -> None:
+    pe.save_pretrained(path)
+    torch.save(head.state_dict(), os.path.join(path, "head.pt"))
+
+
+def load_progress_estimator(args: Args, start_model, path: str):
+    """(PE, head) from a directory save_progress_estimator wrote, on a copy of the start model."""
+    if not os.path.isfile(os.path.join(path, "head.pt")):
+        raise UsageError(f"--progress-model {path}: no head.pt in it (not a progress_model/ "
+                         "directory of spa.py?)")
+    pe = load_lora(copy.deepcopy(start_model), path)
+    head = make_head(pe.config.hidden_size, args.pe_head, next(pe.parameters()).device)
+    head.load_state_dict(torch.load(os.path.join(path, "head.pt")))
+    pe.eval()
+    pe.requires_grad_(False)
+    head.requires_grad_(False)
+    return pe, head
+
+
+# ---- 5. Policy and value loss (Eq. 10) ----------------------------------------------------------
+def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
+    exponential: a padded position must not overflow)."""
+    return torch.exp(torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp)))
+
+
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                  clip_eps: float = 0.2, entropy: Tensor | None = None,
+                  entropy_coef: float = 0.0, clip_ratio_c: float | None = None) -> Tensor:
+    """The negated clipped surrogate (Eq. 10) - entropy bonus, token-mean over mask.
+
+    logp, old_logp, mask (and entropy): (B, L); advantages: (B,) one value per step, used for
+    every token of its reply. Values at masked positions never matter. clip_ratio_c: dual clip,
+    the loss of a token with A < 0 is at most -c * A. (The KL term is in the reward.)"""
+    advantages = advantages[:, None]
+    ratio = policy_ratio(logp, old_logp, mask)
+    pg_loss = -torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    if clip_ratio_c is not None:
+        bounded = torch.min(pg_loss, -clip_ratio_c * advantages)
+        pg_loss = torch.where(advantages < 0, bounded, pg_loss)
+    if entropy is not None and entropy_coef:
+        pg_loss = pg_loss - entropy_coef * entropy
+    return (pg_loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float = 0.2) -> Tensor:
+    """(B,) -> per-step clipped value loss (B,): 0.5 * max((V - G)^2, (V_old + clip(V - V_old,
+    -clip, clip) - G)^2), as trl; the caller averages it over steps."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def policy_forward(model, value_head, prompts: list[list[int]], responses: list[list[int]],
+                   pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
+    """One pass of the policy for both heads: per-token log pi(reply token | prompt, earlier
+    tokens) under softmax(logits / temperature), and V(s_t) read at the last prompt token.
+
+    Returns (logp (B, R), mask (B, R), entropy (B, R) or None, values (B,)). Prompts are
+    left-padded to P columns (pad_prompt_response), so column P - 1 is every prompt's last
+    token; only the reply positions' logits are computed."""
+    device = next(model.parameters()).device
+    input_ids, attention, position_ids, targets, mask = (
+        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
+    P = input_ids.shape[1] - targets.shape[1]
+    hidden = final_hidden_states(model, input_ids, attention, position_ids)
+    lm_head = model.get_output_embeddings()
+    logits = lm_head(hidden[:, P - 1:-1]).float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    values = value_head(hidden[:, P - 1].float()).squeeze(-1)
+    return logp, mask.float(), entropy, values
+
+
+# ---- 6. Rollouts --------------------------------------------------------------------------------
+class Policy:
+    """What a rollout needs to act: the model, its tokenizer and the chosen generation backend."""
+
+    def __init__(self, args: Args, model, tokenizer, engine=None):
+        self.args, self.model, self.tokenizer, self.engine = args, model, tokenizer, engine
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.adapter_path, self.adapter_version = "", 0
+
+    def sync(self, run_path: str) -> None:
+        """vLLM reads the adapter from disk: write the current one under a new version id (one
+        process writes it, every process has the same weights)."""
+        if self.engine is not None:
+            self.adapter_version += 1
+            self.adapter_path = os.path.join(run_path, "vllm_adapter")
+            if PartialState().is_main_process:
+                self.model.save_pretrained(self.adapter_path)
+            PartialState().wait_for_everyone()
+
+    def generate(self, prompts: list[list[int]], temperature: float,
+                 top_p: float = 1.0) -> tuple[list[list[int]], list | None]:
+        """(responses, log-probs of their tokens or None). Sampling with the hf backend and
+        without top-p (every training rollout) records the log-probs the tokens were drawn with:
+        PPO's old log-probs without another forward pass. vLLM's (bf16, other kernels) would
+        differ from the trainer's: None, and the update scores the responses itself, as veRL
+        does."""
+        a = self.args
+        if self.engine is not None:
+            responses = vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
+                                      adapter_version=self.adapter_version, eos_ids=self.eos_ids,
+                                      max_new_tokens=a.max_new_tokens, temperature=temperature,
+                                      top_p=top_p)
+            return responses, None
+        record = temperature > 0 and top_p == 1
+        out = hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
+                          eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
+                          temperature=temperature, top_p=top_p,
+                          batch_size=max(a.micro_batch_size, 64), return_logprobs=record)
+        return out if record else (out, None)
+
+
+def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
+            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
+            seconds: dict | None = None) -> list[dict]:
+    """Play one game per task in lock-step until all finish.
+
+    With expert_rng given (and policy None), the env's expert acts instead of the policy
+    (behavior-cloning data): each step records the expert's action as "label", but with
+    probability args.bc_noise a mistake is executed instead (see _perturb).
+
+    Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
+    [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
+    None), "state" (raw observation = anchor text), "action" (executed), "next_state" (the
+    observation it got), "valid" (admissible, from the env), "well_formed" (see is_well_formed),
+    "label"}]}.
+    seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
+    seconds = defaultdict(float) if seconds is None else seconds
+    expert = expert_rng is not None
+    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert) for t in tasks]
+    batch = EnvBatch(games)
+    batch.reset()
+    trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
+              "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+    while batch.active():
+        active = batch.active()
+        start = time.perf_counter()
+        prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
+                                 batch.observations[i], games[i].admissible_actions(),
+                                 len(trajs[i]["steps"]) + 1)
+                   for i in active]
+        seconds["prompts"] += time.perf_counter() - start
+        start = time.perf_counter()
+        if expert:
+            responses = logprobs = [None] * len(active)
+            # An expert that gave up (label None) only looks around; BC skips those steps.
+            labels = [games[i].expert_action() for i in active]
+            commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise, expert_rng)
+                        if label is not None else "look" for i, label in zip(active, labels)]
+            well_formed = [True] * len(active)
+        else:
+            responses, logprobs = policy.generate(prompts, temperature, top_p)
+            logprobs = logprobs or [None] * len(active)
+            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            parsed = [parse_action(t) for t in texts]
+            # No <action> tag: the env gets the reply's tail, which is never admissible.
+            commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
+            labels = [None] * len(active)
+            well_formed = [is_well_formed(t, args.reasoning) for t in texts]
+        seconds["generation"] += time.perf_counter() - start
+        states = {i: batch.observations[i] for i in active}
+        start = time.perf_counter()
+        results = batch.step(dict(zip(active, commands)))
+        seconds["env"] += time.perf_counter() - start
+        for k, i in enumerate(active):
+            obs, reward, done, info = results[i]
+            tr = trajs[i]
+            tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
+                                "logprobs": logprobs[k], "state": states[i], "action": commands[k],
+                                "next_state": obs, "valid": bool(info["valid"]),
+                                "well_formed": well_formed[k], "label": labels[k]})
+            tr["rewards"].append(reward)
+            tr["history"].append((states[i], commands[k]))
+            tr["won"] = bool(info["won"])
+    for tr in trajs:
+        del tr["history"]
+    return trajs
+
+
+def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
+    """The command a noisy expert executes: its own with probability 1 - noise; else, half the
+    time, the previous command again (the typical mistake, usually answered "Nothing happens."),
+    and otherwise a random admissible one."""
+    if rng.random() >= noise:
+        return label
+    if history and rng.random() < 0.5:
+        return history[-1][1]
+    return rng.choice(game.admissible_actions())
+
+
+# ---- 7. Behavior cloning on expert trajectories -------------------------------------------------
+def expert_response(action: str, reasoning: bool) -> str:
+    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
+            else f"<action>{action}</action>")
+
+
+def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+            prompt_weight: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(loss, response_loss): mean cross-entropy of the response tokens, plus prompt_weight times
+    the mean next-token cross-entropy of the prompt tokens ("train on inputs").
+
+    Why the prompt term: the prompts are full of repeats (the admissible actions name what the
+    observations saw), so predicting them teaches a randomly initialised model to copy from its
+    context, which the actions need, in far fewer updates. A pretrained model needs no such help
+    (prompt_weight 0: only the response logits are computed)."""
+    if prompt_weight == 0:
+        logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
+        response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+        return response_loss, response_loss
+    device = next(model.parameters()).device
+    input_ids, attention, position_ids, _, response_mask = (
+        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
+                                            reduction="none")
+    # (B, L-1): the target and its context are real tokens
+    valid = (attention[:, 1:] * attention[:, :-1]).float()
+    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
+    # nll[:, P-1:].
+    split = input_ids.shape[1] - response_mask.shape[1] - 1
+    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
+    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
+    return response_loss + prompt_weight * prompt_loss, response_loss
+
+
+def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
+    """SFT on the env expert's trajectories: cross-entropy on the response tokens (plus, with
+    --bc-prompt-loss-weight, on the prompt tokens; see bc_loss). Trains the parameters of `model`
+    that require grad (a LoRA adapter, or all of them) in place."""
+    rng = random.Random(args.seed + 1)
+    tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
+    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
+    samples = []
+    for tr in demos:
+        for s in [s for s in tr["steps"] if s["label"] is not None]:
+            response = tokenizer(expert_response(s["label"], args.reasoning),
+                                 add_special_tokens=False).input_ids
+            samples.append((s["prompt"], response + [tokenizer.eos_token_id]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
+    window = 16 * args.bc_batch_size
+    batches_per_epoch = sum(math.ceil(min(window, len(samples) - w) / args.bc_batch_size)
+                            for w in range(0, len(samples), window))
+    total_steps = args.bc_epochs * batches_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(total_steps, 1))
+    print(f"behavior cloning: {len(demos)} expert trajectories, {len(samples)} steps, "
+          f"{args.bc_epochs} epochs, {total_steps} updates")
+    model.train()
+    progress = Progress(total_steps, "bc")
+    loss_value = float("nan")
+    lengths = [len(p) + len(r) for p, r in samples]
+    for _ in range(args.bc_epochs):
+        # Batches of similar length (less padding), visited in random order; members drawn from a
+        # random window of 16 batches so that each batch still mixes tasks.
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        batches = [b for w in range(0, len(order), window)
+                   for b in length_sorted_chunks(order[w:w + window], lengths, args.bc_batch_size)]
+        rng.shuffle(batches)
+        for batch in batches:
+            chunk = [samples[i] for i in batch]
+            loss, response_loss = bc_loss(model, [c[0] for c in chunk], [c[1] for c in chunk],
+                                          tokenizer.pad_token_id, args.bc_prompt_loss_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            check_finite(f"behavior cloning, update {progress.count + 1}", loss=loss.item(),
+                         grad_norm=grad_norm.item())
+            optimizer.step()
+            scheduler.step()
+            loss_value = response_loss.item()
+            progress.update(1, loss=loss_value)
+    progress.close()
+    return {"bc/loss": loss_value, "bc/steps": len(samples),
+            "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
+
+
+# ---- 8. Evaluation ------------------------------------------------------------------------------
+def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
+    """Success rate overall and per task type, and grounding accuracy: the share of admissible
+    actions over all steps, and its mean over trajectories (SPA's definition). With several
+    processes each plays its share of the tasks; the stats are of all."""
+    dist = PartialState()
+    share = process_share(len(tasks), dist.process_index, dist.num_processes)
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
+                        args.eval_temperature, args.eval_top_p)
+    trajs = gather_object([summarize(t) for t in trajs])
+    by_type: dict[str, list[bool]] = defaultdict(list)
+    for t in trajs:
+        by_type[t["task_type"]].append(t["won"])
+    steps = [s for t in trajs for s in t["steps"]]
+    stats = {f"eval_{split}/success": float(np.mean([t["won"] for t in trajs])),
+             f"eval_{split}/grounding": float(np.mean([s["valid"] for s in steps])),
+             f"eval_{split}/grounding_per_trajectory": float(np.mean(
+                 [np.mean([s["valid"] for s in t["steps"]]) for t in trajs])),
+             f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
+             f"eval_{split}/tasks": len(trajs)}
+    for task_type, wins in sorted(by_type.items()):
+        stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
+    return stats
+
+
+# ---- 9. Training loop ---------------------------------------------------------------------------
+# Data parallel (`accelerate launch --num_processes K proxmo.py ...`): every process holds the same
+# policy, plays a contiguous share of each iteration's task groups (a group never straddles two
+# processes) and of the evaluation tasks, and sums its gradients with the others' before every
+# optimizer step. `python proxmo.py` is one process, and none of this communicates.
+def process_share(n: int, index: int, count: int) -> range:
+    """The contiguous block of range(n) that process `index` of `count` takes (sizes differ by at
+    most one; in process order the blocks are range(n))."""
+    return range(n * index // count, n * (index + 1) // count)
+
+
+def summarize(traj: dict) -> dict:
+    """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
+    keys = ("state", "next_state", "valid", "well_formed", "contrib", "value", "step_kl")
+    steps = [{k: s[k] for k in keys if k in s} for s in traj["steps"]]
+    return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
+
+
+def sum_across_processes(params: list[Tensor], loss: float) -> float:
+    """Replace each parameter's gradient by its sum over processes (one all-reduce), and return
+    the summed loss. Each process's loss is already divided by the mini-batch's token count over
+    all processes, so the sums are the token-mean of the whole mini-batch."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    loss_row = torch.tensor([loss], device=grads[0].device)
+    flat = reduce(torch.cat([g.float().flatten() for g in grads] + [loss_row]), "sum")
+    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+        p.grad = g.view_as(p).to(p.dtype)
+    return flat[-1].item()
+
+
+def check_finite(where: str, **values: float) -> None:
+    """Stop the run, before the optimizer step, when a loss or gradient norm is NaN or inf."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        found = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise FloatingPointError(f"{where}: non-finite {found}; stopped before the optimizer "
+                                 "step, the weights are unchanged")
+
+
+def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
+    """Split `indices` into chunks of `size` after sorting them by length, so that padding to the
+    longest member of a chunk wastes little compute."""
+    ordered = sorted(indices, key=lambda i: lengths[i])
+    return [ordered[k:k + size] for k in range(0, len(ordered), size)]
+
+
+def pad_rows(rows: list[Tensor], length: int) -> Tensor:
+    """Stack 1-D tensors right-padded with 0 to `length` -> (len(rows), length). The padded
+    values never count: every loss and metric masks them before use."""
+    return torch.stack([torch.nn.functional.pad(r, (0, length - len(r))) for r in rows])
+
+
+def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) -> dict:
+    """The scoring passes before the advantages, no gradient: the current policy's log-probs of
+    every reply ("old_logprobs", the ratio's denominator) and V(s_t) ("value") in one pass, then
+    the reference's (adapter disabled) for "step_kl" = sum over the reply's tokens of log pi_old -
+    log pi_ref. Written into each step; returns the seconds of each pass."""
+    steps = [s for tr in trajs for s in tr["steps"]]
+    lengths = [len(s["prompt"]) + len(s["response_ids"]) for s in steps]
+    pad, temperature = tokenizer.pad_token_id, args.rollout_temperature
+    seconds = {}
+    model.eval()  # no dropout when scoring the rollout policy
+    began = time.perf_counter()
+    with torch.no_grad():
+        for idx in length_sorted_chunks(list(range(len(steps))), lengths, args.micro_batch_size):
+            logp, _, _, values = policy_forward(model, value_head,
+                                                [steps[i]["prompt"] for i in idx],
+                                                [steps[i]["response_ids"] for i in idx], pad,
+                                                temperature)
+            for row, value, i in zip(logp.cpu(), values.tolist(), idx):
+                steps[i]["old_logprobs"] = row[:len(steps[i]["response_ids"])]
+                steps[i]["value"] = value
+        seconds["old_logprobs"] = time.perf_counter() - began
+        began = time.perf_counter()
+        for s in steps:
+            s["step_kl"] = 0.0
+        if args.kl_coef > 0:  # without a KL term the reference pass is skipped
+            for idx in length_sorted_chunks(list(range(len(steps))), lengths,
+                                            args.micro_batch_size):
+                with model.disable_adapter():
+                    ref, _, _ = response_logprobs(model, [steps[i]["prompt"] for i in idx],
+                                                  [steps[i]["response_ids"] for i in idx], pad,
+                                                  temperature=temperature)
+                for row, i in zip(ref.cpu(), idx):
+                    old = steps[i]["old_logprobs"]
+                    steps[i]["step_kl"] = (old - row[:len(old)]).sum().item()
+        seconds["ref_logprobs"] = time.perf_counter() - began
+    return seconds
+
+
+def policy_update(args: Args, model, value_head, tokenizer, optimizer, samples: list[tuple],
+                  generator: torch.Generator, iteration: int) -> dict:
+    """PPO with a critic over the step samples (prompt_ids, response_ids, advantage, return,
+    old_logprobs, old_value): `ppo_epochs` passes of shuffled mini-batches with gradient
+    accumulation; loss = clipped surrogate (token-mean) + vf_coef * clipped value loss
+    (step-mean).
+
+    With several processes, `samples` is this process's share, in process order, of one batch:
+    the mini-batches are drawn from the whole batch exactly as one process would draw them, each
+    process computes the gradient of its members, and the sum over processes is the update."""
+    pad, mb = tokenizer.pad_token_id, args.micro_batch_size
+    dist = PartialState()
+    # Every process's response lengths, in process order: a mini-batch's token count over the
+    # whole batch, and where this process's samples start in it.
+    lengths_by_process = gather_object([[len(s[1]) for s in samples]])
+    all_lengths = [n for lengths in lengths_by_process for n in lengths]
+    first = sum(len(lengths) for lengths in lengths_by_process[:dist.process_index])
+    temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
+    device = next(model.parameters()).device
+    lengths = [len(s[0]) + len(s[1]) for s in samples]
+    model.train()
+    began = time.perf_counter()
+    params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
+    stats = defaultdict(list)
+    for epoch in range(args.ppo_epochs):
+        order = torch.randperm(len(all_lengths), generator=generator).tolist()
+        for start in range(0, len(order), args.minibatch_size):
+            members = order[start:start + args.minibatch_size]  # indices into the whole batch
+            n_tokens = sum(all_lengths[i] for i in members)
+            mini = [i - first for i in members if first <= i < first + len(samples)]
+            optimizer.zero_grad(set_to_none=True)
+            minibatch_loss = 0.0
+            # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
+            for idx in length_sorted_chunks(mini, lengths, mb):
+                logp, mask, entropy, values = policy_forward(
+                    model, value_head, [samples[i][0] for i in idx], [samples[i][1] for i in idx],
+                    pad, temperature, with_entropy=args.entropy_coef > 0)
+                mask = mask.to(device)
+                old = pad_rows([samples[i][4] for i in idx], logp.shape[1]).to(device)
+                adv, returns, old_values = (
+                    torch.tensor([samples[i][k] for i in idx], dtype=torch.float32, device=device)
+                    for k in (2, 3, 5))
+                pg_loss = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, entropy,
+                                        args.entropy_coef, args.clip_ratio_c)
+                vf_loss = value_loss(values, old_values, returns, args.value_clip)
+                # token-mean of the policy loss and step-mean of the value loss over the whole
+                # mini-batch
+                pg_share = pg_loss * mask.sum() / n_tokens
+                vf_share = vf_loss.sum() / len(members)
+                share = pg_share + args.vf_coef * vf_share
+                share.backward()
+                minibatch_loss += share.item()
+                with torch.no_grad():
+                    ratio = policy_ratio(logp, old, mask)
+                    clipped = ((ratio - 1).abs() > args.clip_eps).float()
+                    stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
+                    stats["policy_loss"].append(pg_loss.item())
+                    stats["value_loss"].append(vf_loss.mean().item())
+            if dist.num_processes > 1:
+                minibatch_loss = sum_across_processes(params, minibatch_loss)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+            check_finite(f"iteration {iteration}, PPO epoch {epoch + 1}, mini-batch at {start}",
+                         loss=minibatch_loss, grad_norm=grad_norm)
+            stats["loss"].append(minibatch_loss)
+            stats["grad_norm"].append(grad_norm)
+            optimizer.step()
+    seconds = {"update": time.perf_counter() - began}
+    means = {k: float(np.mean(v)) for k, v in stats.items()}
+    if dist.num_processes > 1:  # the mean over every process's micro-batches (or mini-batches)
+        names = ["clip_fraction", "grad_norm", "loss", "policy_loss", "value_loss"]
+        sums = torch.tensor([[sum(stats[k]), len(stats[k])] for k in names], dtype=torch.float64,
+                            device=dist.device)
+        sums = reduce(sums, "sum")
+        means = {k: (sums[i, 0] / sums[i, 1]).item() for i, k in enumerate(names)}
+    out = {f"train/{k}": v for k, v in means.items()}
+    out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
+    return out
+
+
+def save_checkpoint(path: str, model, base_model: str, args: Args, iteration: int,
+                    trainer_state: dict) -> None:
+    """The LoRA adapter (its config naming the base model), a model card saying how to load it,
+    and trainer_state.pt (optimizer, value head, iteration, every random stream) for --resume."""
+    model.peft_config["default"].base_model_name_or_path = base_model
+    model.save_pretrained(path)
+    with open(os.path.join(path, "README.md"), "w") as f:  # replaces PEFT's empty model card
+        f.write(f"""---
+base_model: {base_model}
+library_name: peft
+---
+# LoRA adapter trained by spa.py
+
+--advantage {args.advantage}, --env {args.env}, iteration {iteration} of {args.iterations},
+seed {args.seed}. The run's configuration is in ../config.json. To load the policy:
+
+```python
+from common.model import load_lora, load_model_and_tokenizer  # this repository's common/
+model, tokenizer = load_model_and_tokenizer("{base_model}")
+policy = load_lora(model, "{os.path.abspath(path)}")
+```
+""")
+    torch.save(trainer_state, os.path.join(path, "trainer_state.pt"))
+
+
+def main(args: Args) -> dict:
+    errors = validate_args(args)
+    # One process, or one of those `accelerate launch` started (gloo between CPU processes).
+    dist = PartialState(cpu=args.device == "cpu")
+    if dist.num_processes > 1:
+        if args.tasks_per_iteration % dist.num_processes:
+            errors.append(f"--tasks-per-iteration {args.tasks_per_iteration} must be a multiple "
+                          f"of the {dist.num_processes} processes (whole groups per process)")
+        if args.bc_epochs > 0 and not args.resume:
+            errors.append("behavior cloning runs in one process: run `python spa.py ... "
+                          "--iterations 0` once, then launch RL with --model <its run>/base_model "
+                          "--progress-model <its run>/progress_model")
+        if args.advantage == "spa" and args.progress_model is None and not args.resume:
+            errors.append("exploration and the progress estimator's training run in one "
+                          "process: run `python spa.py ... --iterations 0` once, then launch RL "
+                          "with --progress-model <its run>/progress_model")
+        if args.rl_data == "explore":
+            errors.append("--rl-data explore runs in one process")
+        if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
+            errors.append("--backend vllm runs in one process; with several, use --backend hf")
+        per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", dist.num_processes))
+        if args.device.startswith("cuda") and per_machine > torch.cuda.device_count():
+            errors.append(f"{per_machine} processes on a machine with "
+                          f"{torch.cuda.device_count()} GPUs: one GPU per process (or --device "
+                          "cpu)")
+    if errors:
+        raise UsageError("\n".join(errors))
+    if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
+        sys.stdout = open(os.devnull, "w")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
+    run_name = broadcast_object_list([run_name])[0]  # the main process's clock names the run
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    checkpoint = os.path.join(run_path, "checkpoint")
+    state = None  # what --resume continues, checked before anything is written
+    if args.resume:
+        if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
+            raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
+        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        if args.rl_data == "explore":
+            raise UsageError(f"--resume {args.resume}: --rl-data explore runs are not resumable "
+                             "(their exploration rollouts are not saved)")
+        if state["iteration"] >= args.iterations:
+            raise UsageError(f"--resume {args.resume}: the run already did {state['iteration']} "
+                             "iterations; pass a larger --iterations to continue it")
+        if len(state["streams"]) != dist.num_processes:
+            raise UsageError(f"--resume {args.resume}: saved by {len(state['streams'])} "
+                             f"processes, resumed by {dist.num_processes}; their random streams "
+                             "continue only with as many processes")
+    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
+    if args.tasks_per_iteration > len(train_tasks):
+        raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
+                         f"{len(train_tasks)} training tasks")
+    explore_tasks = []
+    if args.advantage == "spa" and args.progress_model is None and not args.resume:
+        explore_tasks = random.Random(args.seed + 2).sample(
+            train_tasks, min(args.explore_num_tasks or len(train_tasks), len(train_tasks)))
+    batch_size = args.tasks_per_iteration * args.group_size
+    if args.rl_data == "explore":
+        batches = len(explore_tasks) * args.explore_rollouts // batch_size
+        if args.iterations > batches:
+            raise UsageError(f"--rl-data explore: {len(explore_tasks)} tasks x "
+                             f"{args.explore_rollouts} rollouts make {batches} batches of "
+                             f"{batch_size}, fewer than --iterations {args.iterations}")
+    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
+                  for split in args.eval_splits}
+    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
+    print(json.dumps(asdict(args), indent=1))
+
+    # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
+    # then the LoRA adapter trained by RL.
+    base_path = os.path.join(run_path, "base_model")
+    resumed_base = args.resume and os.path.isdir(base_path)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    # Several processes on GPUs: each its own (cuda:<local rank>), as accelerate assigned it.
+    device = str(dist.device) if dist.num_processes > 1 and args.device != "cpu" else args.device
+    model, tokenizer = load_model_and_tokenizer(base_path if resumed_base else args.model,
+                                                vocabulary=vocab, seed=args.seed, dtype=dtype,
+                                                device=device)
+    # Only now the run directory: a run stopped by bad flags or missing data leaves nothing. The
+    # main process alone writes the run directory's config, logs, checkpoints and summary.
+    writer = None
+    if dist.is_main_process:
+        os.makedirs(run_path, exist_ok=True)
+        config_file = os.path.join(run_path, "config.json")
+        command = shlex.join([sys.executable, *sys.argv])
+        record = {"command": command, "args": asdict(args), "resumed_by": [],
+                  "num_processes": dist.num_processes}
+        if args.resume:  # keep the first command; a raised --iterations holds for later resumes
+            with open(config_file) as f:
+                record = {**json.load(f), "args": asdict(args)}
+            record["resumed_by"] = record.get("resumed_by", []) + [command]
+        with open(config_file, "w") as f:
+            json.dump(record, f, indent=1)
+
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, name=os.path.basename(run_path),
+                       config=asdict(args), dir=run_path, sync_tensorboard=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(run_path)
+        writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
+            f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
+
+    def log(stats: dict, step: int) -> None:
+        for k, v in stats.items():
+            if writer is not None:
+                writer.add_scalar(k, v, step)
+
+    targets = args.lora_target_modules
+    if targets != "all-linear":
+        targets = targets.split(",")
+    history: dict = {}
+    if args.bc_epochs > 0 and not args.resume:
+        if not args.bc_full_params:
+            model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+        t0 = time.time()
+        stats = behavior_cloning(args, model, tokenizer, train_tasks)
+        stats["bc/seconds"] = time.time() - t0
+        if not args.bc_full_params:
+            model = merge_lora(model)
+        model.requires_grad_(False)
+        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
+              f"(final loss {stats['bc/loss']:.3f})")
+        log(stats, 0)
+    if (args.bc_epochs > 0 or args.model == "tiny-scratch") and not args.resume:
+        # The model RL starts from exists nowhere else: keep it beside the adapter.
+        if dist.is_main_process:
+            model.save_pretrained(base_path)
+            tokenizer.save_pretrained(base_path)
+        dist.wait_for_everyone()
+    if os.path.isdir(base_path):
+        base_model = os.path.abspath(base_path)
+    else:
+        base_model = resolve_model_name(args.model)[0]
+    # SPA's progress estimator starts from the policy's start: a copy, before the policy's adapter.
+    pe_start = copy.deepcopy(model) if args.advantage == "spa" else None
+    if args.resume:
+        model = load_lora(model, checkpoint)
+    else:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+    model.print_trainable_parameters()
+    # The critic: a value head on the policy's final hidden state, backbone and adapter shared.
+    value_head = make_head(model.config.hidden_size, "linear", device)
+    if dist.num_processes > 1:
+        for p in [*model.parameters(), *value_head.parameters()]:
+            if p.requires_grad:  # the same start everywhere, whatever each device's init did
+                broadcast(p.data, from_process=0)
+        # Each process samples its own draws; process 0 continues the one-process stream.
+        if dist.process_index > 0:
+            torch.manual_seed(args.seed + 100_003 * dist.process_index)
+
+    engine = None
+    if args.backend == "vllm":
+        engine = make_vllm_engine(base_model, max_lora_rank=args.lora_r,
+                                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                                  max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+                                  seed=args.seed)
+    policy = Policy(args, model, tokenizer, engine)
+
+    # Exploration and the progress estimator (Eqs. 5-7), or the one saved before. The new adapter
+    # is zero, so the policy that explores is the start policy.
+    pe = pe_head = None
+    explore_trajs: list[dict] = []
+    if args.advantage == "spa":
+        pe_path = os.path.join(run_path, "progress_model")
+        if args.resume or args.progress_model:
+            pe, pe_head = load_progress_estimator(args, pe_start, args.progress_model or pe_path)
+        else:
+            t0 = time.time()
+            policy.sync(run_path)
+            explore_trajs = explore(args, policy, explore_tasks)
+            pe = add_lora(pe_start, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+            pe_head = make_head(pe.config.hidden_size, args.pe_head, device)
+            stats = train_progress_estimator(args, pe, pe_head, tokenizer, explore_trajs,
+                                             random.Random(args.seed + 3))
+            stats["pe/seconds"] = time.time() - t0
+            fit = (f", held-out MSE {stats['pe/heldout_mse']:.4f} (a constant: "
+                   f"{stats['pe/heldout_mse_of_constant']:.4f})" if "pe/heldout_mse" in stats
+                   else "")
+            print(f"progress estimator done in {stats['pe/seconds']:.0f}s: exploration success "
+                  f"{stats['pe/explore_success']:.3f}, train loss {stats['pe/train_loss']:.4f}"
+                  f"{fit}")
+            log(stats, 0)
+            if dist.is_main_process:
+                save_progress_estimator(pe_path, pe, pe_head)
+        del pe_start
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in model.parameters() if p.requires_grad]},
+         {"params": list(value_head.parameters()), "lr": args.value_learning_rate}],
+        lr=args.learning_rate, weight_decay=args.weight_decay)
+    generator = torch.Generator().manual_seed(args.seed)
+    task_rng = random.Random(args.seed)
+    start_iteration = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        value_head.load_state_dict(state["value_head"])
+        generator.set_state(state["generator"])
+        task_rng.setstate(state["task_rng"])
+        streams = state["streams"][dist.process_index]
+        random.setstate(streams["python"])
+        np.random.set_state(streams["numpy"])
+        torch.set_rng_state(streams["torch"])
+        if torch.cuda.is_available() and streams["cuda"]:
+            torch.cuda.set_rng_state_all(streams["cuda"])
+        start_iteration, history = state["iteration"], state["history"]
+        print(f"resumed from {checkpoint} at iteration {start_iteration}")
+
+    progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
+
+    def run_eval(iteration: int) -> None:
+        policy.sync(run_path)
+        for split, tasks in eval_tasks.items():
+            t0 = time.time()
+            stats = evaluate(args, policy, split, tasks)
+            log(stats, iteration)
+            history.setdefault(iteration, {}).update(stats)
+            per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}"
+                                for k, v in stats.items() if "/success_" in k)
+            progress.write(f"[eval {split} @ iter {iteration}] "
+                           f"success {stats[f'eval_{split}/success']:.3f} "
+                           f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) "
+                           f"[{time.time() - t0:.0f}s]")
+
+    if start_iteration == 0:
+        run_eval(0)
+    for iteration in range(start_iteration + 1, args.iterations + 1):
+        t0 = time.time()
+        seconds = defaultdict(float)
+        my_groups = process_share(args.tasks_per_iteration, dist.process_index,
+                                  dist.num_processes)
+        if args.rl_data == "explore":  # the next batch of exploration rollouts, in order
+            trajs = explore_trajs[(iteration - 1) * batch_size:iteration * batch_size]
+        else:  # (1) B tasks x N copies, (2) lock-step rollouts of the current policy
+            batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
+            policy.sync(run_path)
+            tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
+            groups = [g for g in my_groups for _ in range(args.group_size)]
+            trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
+                            seconds=seconds)
+        rollout_seconds = time.time() - t0
+        # (3) old log-probs and values, the reference's step KL, contributions c_t (Eq. 5).
+        seconds.update(score_rollouts(args, model, value_head, tokenizer, trajs))
+        too_long = 0
+        if pe is not None:
+            start = time.perf_counter()
+            too_long = score_progress(args, pe, pe_head, tokenizer, trajs)
+            seconds["progress"] = time.perf_counter() - start
+        # (4) fused rewards (Eq. 8) and GAE over the whole batch (whitened over all of it); each
+        # process keeps the advantages and returns of its trajectories.
+        start = time.perf_counter()
+        batch = gather_object([summarize(t) for t in trajs])
+        first = my_groups.start * args.group_size
+        batch_advantages, batch_returns = compute_advantages(args, batch)
+        advantages = batch_advantages[first:first + len(trajs)]
+        returns = batch_returns[first:first + len(trajs)]
+        seconds["advantages"] = time.perf_counter() - start
+        samples = [(s["prompt"], s["response_ids"], float(a), float(g), s["old_logprobs"],
+                    s["value"])
+                   for tr, adv, ret in zip(trajs, advantages, returns)
+                   for s, a, g in zip(tr["steps"], adv, ret)]
+        # (5) the clipped policy update with the critic's value loss (Eq. 10).
+        stats = policy_update(args, model, value_head, tokenizer, optimizer, samples, generator,
+                              iteration)
+        n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
+        abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
+        steps = [s for tr in batch for s in tr["steps"]]
+        values = np.array([s["value"] for s in steps])
+        targets_g = np.array([g for ret in batch_returns for g in ret])
+        stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
+                      "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+                      "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
+                      "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+                      "rollout/step_samples": len(steps),
+                      "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
+                      "time/rollout_seconds": rollout_seconds,
+                      "time/iteration_seconds": time.time() - t0,
+                      "train/advantage_abs_mean": float(np.mean(abs_advantages)),
+                      "train/value_mean": float(values.mean()),
+                      "train/explained_variance": float(
+                          1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
+                      "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))})
+        if pe is not None:  # does the PE's predicted outcome (Eq. 6) separate wins from losses?
+            predicted = {won: [sum(s["contrib"] for s in t["steps"]) for t in batch
+                               if t["won"] == won] for won in (True, False)}
+            stats.update({"reward/contrib_mean": float(np.mean([s["contrib"] for s in steps])),
+                          "reward/grounded": float(np.mean(
+                              [grounding_flag(s["next_state"], s["well_formed"], args.env)
+                               for s in steps])),
+                          "pe/too_long": sum(gather_object([too_long]))})
+            for won, name in ((True, "won"), (False, "lost")):
+                if predicted[won]:
+                    stats[f"reward/predicted_outcome_{name}"] = float(np.mean(predicted[won]))
+        # Where the iteration's time went: prompts, generation, env, the scoring passes
+        # (old_logprobs with values, ref_logprobs, progress), advantages and the update; the
+        # main process's times.
+        stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
+        log(stats, iteration)
+        progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
+                        kl=stats["reward/step_kl_mean"], vf=stats["train/value_loss"],
+                        rollout_s=round(rollout_seconds),
+                        update_s=round(stats["time/update_seconds"]),
+                        iter_s=round(stats["time/iteration_seconds"]))
+        if iteration % args.eval_every == 0 or iteration == args.iterations:
+            run_eval(iteration)
+        if iteration % args.save_every == 0 or iteration == args.iterations:
+            # Each process's own random streams, so that a resume continues every one of them.
+            streams = gather_object([{
+                "python": random.getstate(), "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}])
+            if dist.is_main_process:
+                save_checkpoint(checkpoint, model, base_model, args, iteration, {
+                    "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                    "task_rng": task_rng.getstate(), "streams": streams,
+                    "value_head": value_head.state_dict(), "iteration": iteration,
+                    "history": history})
+            dist.wait_for_everyone()
+    progress.close()
+    if writer is not None:
+        writer.close()
+    if args.track and dist.is_main_process:
+        wandb.finish()
+    headline = args.eval_splits[0]
+    key = f"eval_{headline}/success"
+    summary = {"start_success": history.get(0, {}).get(key),
+               "final_success": history[max(history)][key],
+               "best_success": max(h[key] for h in history.values() if key in h),
+               "run_path": run_path}
+    if dist.is_main_process:
+        with open(os.path.join(run_path, "summary.json"), "w") as f:  # what benchmarks/ read
+            json.dump({**summary, "evaluations": {str(k): v for k, v in sorted(history.items())}},
+                      f, indent=1)
+    start = summary["start_success"]
+    start = "n/a (resumed)" if start is None else f"{start:.3f}"
+    print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} (final), "
+          f"best {summary['best_success']:.3f}; logs and checkpoint in {run_path} "
+          f"(tensorboard --logdir {args.run_dir})")
+    if dist.num_processes > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args(sys.argv[1:]))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,169 @@
+"""spa.py's pure functions against the spec's hand-worked examples (../shared/specs/spa.md, section
+6), one example worked by hand here, and the spec's edge cases, to 1e-6."""
+
+import math
+
+import pytest
+import torch
+
+from spa import (action_end_positions, fused_rewards, gae, grounding_flag,
+                 progress_estimator_loss, spa_advantages, whiten)
+
+TOL = 1e-6
+# The spec's Example 1: trajectory A (success, n = 4) and B (failure, n = 3).
+A = {"contribs": [0.10, 0.35, -0.05, 0.55], "grounded": [1, 1, 0, 1],
+     "values": [0.60, 0.80, 0.90, 0.70]}
+B = {"contribs": [0.05, -0.20, 0.10], "grounded": [1, 0, 0], "values": [0.40, 0.30, 0.20]}
+# Example 2: C (partial reward 0.75), D (all invalid), E (one step).
+C = {"contribs": [0.20, 0.40, 0.10], "grounded": [1, 0, 1], "values": [0.50, 0.45, 0.30]}
+D = {"contribs": [-0.10, 0.05], "grounded": [0, 0], "values": [0.20, 0.10]}
+E = {"contribs": [0.90], "grounded": [1], "values": [0.50]}
+
+
+def close(got, want, tol=TOL):
+    got = [float(x) for x in got]
+    return len(got) == len(want) and all(abs(g - w) <= tol for g, w in zip(got, want))
+
+
+def test_example_1_rewards_gae_and_returns():
+    r_a = fused_rewards(A["contribs"], A["grounded"])
+    assert close(r_a, [0.6, 0.85, -0.05, 1.05])
+    adv_a, ret_a = gae(r_a, A["values"], gamma=0.99, lam=0.95)
+    assert close(adv_a, [1.740852, 1.008881, 0.072175, 0.350000])
+    assert close(ret_a, [2.340852, 1.808881, 0.972175, 1.050000])
+    r_b = fused_rewards(B["contribs"], B["grounded"])
+    assert close(r_b, [0.55, -0.2, 0.1])
+    adv_b, ret_b = gae(r_b, B["values"])
+    assert close(adv_b, [0.074515, -0.396050, -0.100000])
+    assert close(ret_b, [0.474515, -0.096050, 0.100000])
+
+
+def test_example_1_pooled_whitening_keeps_returns_raw():
+    adv, ret = spa_advantages([A, B], alpha=1.0, beta=0.5, gamma=0.99, lam=0.95, normalize=True)
+    assert close(adv[0], [1.972820, 0.901521, -0.469422, -0.062803])
+    assert close(adv[1], [-0.465997, -1.154706, -0.721414])
+    assert close(ret[0], [2.340852, 1.808881, 0.972175, 1.050000])
+    assert close(ret[1], [0.474515, -0.096050, 0.100000])
+
+
+def test_example_1_progress_estimator_loss():
+    scores = [torch.tensor(A["contribs"]), torch.tensor(B["contribs"])]
+    loss = progress_estimator_loss(scores, torch.tensor([1.0, 0.0]))
+    assert abs(loss.item() - 0.0025) < TOL
+
+
+def test_example_2_unnormalised():
+    adv, ret = spa_advantages([C, D, E], normalize=False)
+    assert close(adv[0], [1.143166, 0.529150, 0.300000])
+    assert close(ret[0], [1.643166, 0.979150, 0.600000])
+    assert close(adv[1], [-0.248025, -0.050000])
+    assert close(ret[1], [-0.048025, 0.050000])
+    assert close(adv[2], [0.9]) and close(ret[2], [1.4])
+    scores = [torch.tensor(t["contribs"]) for t in (C, D, E)]
+    loss = progress_estimator_loss(scores, torch.tensor([0.75, 0.0, 1.0]))  # edge case 7
+    assert abs(loss.item() - 0.005) < TOL
+
+
+def test_closed_forms_on_trajectory_a():
+    r = fused_rewards(A["contribs"], A["grounded"])
+    adv, _ = gae(r, A["values"], gamma=1.0, lam=1.0)  # sum of future rewards minus V_t
+    assert close(adv, [1.85, 1.05, 0.10, 0.35])
+    adv, _ = gae(r, A["values"], gamma=0.99, lam=0.0)  # A = delta
+    assert close(adv, [0.792, 0.941, -0.257, 0.350])
+
+
+def test_an_example_worked_by_hand():
+    """c = [0.2, -0.1], g = [1, 0], step KL [0.1, 0.4] at kl_coef 0.5, gamma = lambda = 0.5,
+    V = [0.4, 0.2]: r = [0.2 + 0.5 - 0.05, -0.1 - 0.2] = [0.65, -0.3];
+    delta_1 = -0.3 + 0 - 0.2 = -0.5 = A_1; delta_0 = 0.65 + 0.5 * 0.2 - 0.4 = 0.35,
+    A_0 = 0.35 + 0.25 * (-0.5) = 0.225; G = A + V = [0.625, -0.3]. Whitened: mean -0.1375,
+    deviations +-0.3625 = the population std, so [+1, -1] (eps 1e-8 moves them by 4e-8)."""
+    traj = {"contribs": [0.2, -0.1], "grounded": [1, 0], "values": [0.4, 0.2],
+            "step_kl": [0.1, 0.4]}
+    assert close(fused_rewards(traj["contribs"], traj["grounded"], 1.0, 0.5, traj["step_kl"],
+                               0.5), [0.65, -0.3])
+    adv, ret = spa_advantages([traj], gamma=0.5, lam=0.5, normalize=False, kl_coef=0.5)
+    assert close(adv[0], [0.225, -0.5]) and close(ret[0], [0.625, -0.3])
+    adv, ret = spa_advantages([traj], gamma=0.5, lam=0.5, normalize=True, kl_coef=0.5)
+    assert close(adv[0], [1.0, -1.0]) and close(ret[0], [0.625, -0.3])
+
+
+def test_single_step_advantage_is_reward_minus_value():  # edge case 1
+    adv, ret = gae([1.4], [0.5])
+    assert close(adv, [0.9]) and close(ret, [1.4])
+
+
+def test_all_invalid_and_the_ablations():  # edge cases 2 and 4
+    contribs, invalid = [0.3, -0.2], [0, 0]
+    assert close(fused_rewards(contribs, invalid), [0.3, -0.2])
+    assert close(fused_rewards(contribs, invalid, alpha=0.0), [0.0, 0.0])
+    assert close(fused_rewards(contribs, [1, 0], beta=0.0), [0.3, -0.2])
+    assert close(fused_rewards(contribs, [1, 0], alpha=0.0, beta=0.5), [0.5, 0.0])
+
+
+def test_the_outcome_is_not_an_input():  # edge case 3
+    won = dict(A, won=True, outcome=1.0)
+    lost = dict(A, won=False, outcome=0.0)
+    assert spa_advantages([won, B]) == spa_advantages([lost, B])
+
+
+def test_whitening_edge_cases():  # edge case 5
+    assert whiten([3.7]) == [0.0]
+    assert whiten([0.25, 0.25, 0.25]) == [0.0, 0.0, 0.0]
+    assert whiten([]) == []
+    assert spa_advantages([]) == ([], [])
+    adv, _ = spa_advantages([E])  # one pooled step
+    assert adv == [[0.0]]
+
+
+def test_length_mismatches_and_empty_trajectories():  # edge case 6
+    with pytest.raises(ValueError):
+        fused_rewards([0.1, 0.2], [1])
+    with pytest.raises(ValueError):
+        fused_rewards([0.1, 0.2], [1, 1], step_kl=[0.0], kl_coef=0.3)
+    with pytest.raises(ValueError):
+        gae([0.1, 0.2], [0.5])
+    with pytest.raises(ValueError):
+        progress_estimator_loss([torch.tensor([0.1]), torch.zeros(0)], torch.tensor([1.0, 0.0]))
+    assert gae([], []) == ([], [])
+    empty = {"contribs": [], "grounded": [], "values": []}
+    with_empty, _ = spa_advantages([A, empty, B])
+    without, _ = spa_advantages([A, B])
+    assert with_empty[1] == [] and with_empty[0] == without[0] and with_empty[2] == without[1]
+
+
+def test_step_kl_only_with_a_positive_coefficient():  # edge case 9
+    assert close(fused_rewards([0.0, 0.0], [1, 1], step_kl=[0.2, 0.0], kl_coef=0.3),
+                 [0.5 - 0.06, 0.5])
+    traj = dict(B, step_kl=[0.2, 0.0, 0.1])
+    bad_length = dict(B, step_kl=[0.2])  # ignored, not even length-checked, at kl_coef 0
+    assert spa_advantages([traj], normalize=False) == spa_advantages([bad_length],
+                                                                     normalize=False)
+    adv, _ = spa_advantages([traj], normalize=False, kl_coef=0.3)
+    plain, _ = gae([0.55 - 0.06, -0.2, 0.1 - 0.03], B["values"])
+    assert close(adv[0], plain)
+
+
+def test_action_end_positions():  # edge case 8
+    assert action_end_positions([0, 0, 1, 1, 0, 0, 1, 1, 1, 0]) == [3, 8]
+    assert action_end_positions([1, 0, 1, 1]) == [0, 3]
+    assert action_end_positions([0, 0, 0]) == []
+    assert action_end_positions([]) == []
+
+
+def test_grounding_flag():
+    assert grounding_flag("You arrive at desk 1.", True, "household") == 1
+    assert grounding_flag("  Nothing happens.\n", True, "alfworld") == 0
+    assert grounding_flag("You arrive at desk 1.", False, "household") == 0
+    with pytest.raises(ValueError):
+        grounding_flag("Nothing happens.", False, "webshop")
+
+
+def test_progress_loss_gradient_reaches_every_step():
+    scores = [torch.tensor([0.2, 0.3], requires_grad=True),
+              torch.tensor([0.4], requires_grad=True)]
+    loss = progress_estimator_loss(scores, torch.tensor([1.0, 0.0]))
+    loss.backward()
+    # d/dc_t of mean_i (S_i - R_i)^2 = 2 (S_i - R_i) / B for every step of trajectory i
+    assert close(scores[0].grad.tolist(), [-0.5, -0.5]) and close(scores[1].grad.tolist(), [0.4])
+    assert math.isclose(loss.item(), (0.25 + 0.16) / 2, abs_tol=TOL)
