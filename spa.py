@@ -611,7 +611,7 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list
         steps = t["steps"]
         if args.advantage == "spa":
             contribs = [s["contrib"] for s in steps]
-            grounded = [grounding_flag(s["next_state"], s["well_formed"], args.env) for s in steps]
+            grounded = [grounding_flag(s["next_state"], s["parsed"], args.env) for s in steps]
         else:
             contribs, grounded = list(t["rewards"]), [0] * len(steps)
         batch.append({"contribs": contribs, "grounded": grounded,
@@ -724,9 +724,11 @@ def train_progress_estimator(args: Args, pe, head, tokenizer, trajs: list[dict],
     Trains the PE's LoRA adapter and head in place, then freezes them."""
     encoded = [encode_trajectory(tokenizer, trajectory_messages(t, tokenizer)) for t in trajs]
     keep = [i for i, (ids, _) in enumerate(encoded) if len(ids) <= args.pe_max_tokens]
-    rng.shuffle(keep)
-    n_heldout = int(len(keep) * args.pe_heldout)
-    heldout, train = keep[:n_heldout], keep[n_heldout:]
+    tasks = sorted({trajs[i]["group"] for i in keep})  # whole tasks are held out
+    rng.shuffle(tasks)
+    heldout_tasks = set(tasks[:int(len(tasks) * args.pe_heldout)])
+    heldout = [i for i in keep if trajs[i]["group"] in heldout_tasks]
+    train = [i for i in keep if trajs[i]["group"] not in heldout_tasks]
     if not train:
         raise UsageError(f"no exploration rollout fits --pe-max-tokens {args.pe_max_tokens} "
                          f"(of {len(trajs)}); raise it")
@@ -734,9 +736,11 @@ def train_progress_estimator(args: Args, pe, head, tokenizer, trajs: list[dict],
     params = [p for p in pe.parameters() if p.requires_grad] + list(head.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.pe_learning_rate, weight_decay=0.0)
     batches_per_epoch = math.ceil(len(train) / args.pe_batch_size)
-    print(f"progress estimator: {len(train)} rollouts to train on, {len(heldout)} held out, "
-          f"{len(trajs) - len(keep)} longer than --pe-max-tokens skipped, {args.pe_epochs} "
-          f"epochs, {args.pe_epochs * batches_per_epoch} updates")
+    skipped_won = sum(trajs[i]["won"] for i in set(range(len(trajs))) - set(keep))
+    print(f"progress estimator: {len(train)} rollouts to train on, {len(heldout)} of "
+          f"{len(heldout_tasks)} other tasks held out, {len(trajs) - len(keep)} longer than "
+          f"--pe-max-tokens skipped ({skipped_won} of them won), {args.pe_epochs} epochs, "
+          f"{args.pe_epochs * batches_per_epoch} updates")
     pe.train()
     progress = Progress(args.pe_epochs * batches_per_epoch, "pe")
     losses: list[float] = []
@@ -761,6 +765,7 @@ def train_progress_estimator(args: Args, pe, head, tokenizer, trajs: list[dict],
     head.requires_grad_(False)
     stats = {"pe/train_loss": float(np.mean(losses[-batches_per_epoch:])),
              "pe/rollouts": len(train), "pe/skipped_too_long": len(trajs) - len(keep),
+             "pe/skipped_too_long_won": skipped_won,
              "pe/explore_success": float(outcomes.mean())}
     if heldout:
         with torch.no_grad():
@@ -1113,7 +1118,8 @@ def process_share(n: int, index: int, count: int) -> range:
 
 def summarize(traj: dict) -> dict:
     """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
-    keys = ("state", "next_state", "valid", "well_formed", "contrib", "value", "step_kl")
+    keys = ("state", "next_state", "valid", "well_formed", "parsed", "contrib", "value",
+            "step_kl")
     steps = [{k: s[k] for k in keys if k in s} for s in traj["steps"]]
     return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
 
@@ -1179,10 +1185,11 @@ def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) 
         if args.kl_coef > 0:  # without a KL term the reference pass is skipped
             for idx in length_sorted_chunks(list(range(len(steps))), lengths,
                                             args.micro_batch_size):
-                with model.disable_adapter():
-                    ref, _, _ = response_logprobs(model, [steps[i]["prompt"] for i in idx],
+                with model.disable_adapter():  # the same pass, so a zero adapter gives KL 0
+                    ref, _, _, _ = policy_forward(model, value_head,
+                                                  [steps[i]["prompt"] for i in idx],
                                                   [steps[i]["response_ids"] for i in idx], pad,
-                                                  temperature=temperature)
+                                                  temperature)
                 for row, i in zip(ref.cpu(), idx):
                     old = steps[i]["old_logprobs"]
                     steps[i]["step_kl"] = (old - row[:len(old)]).sum().item()
@@ -1541,6 +1548,9 @@ def main(args: Args) -> dict:
             trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
                             seconds=seconds)
         rollout_seconds = time.time() - t0
+        for s in (s for tr in trajs for s in tr["steps"]):  # g_t's "the reply parsed"
+            reply = tokenizer.decode(s["response_ids"], skip_special_tokens=True)
+            s["parsed"] = parse_action(reply) is not None
         # (3) old log-probs and values, the reference's step KL, contributions c_t (Eq. 5).
         seconds.update(score_rollouts(args, model, value_head, tokenizer, trajs))
         too_long = 0
@@ -1587,7 +1597,7 @@ def main(args: Args) -> dict:
                                if t["won"] == won] for won in (True, False)}
             stats.update({"reward/contrib_mean": float(np.mean([s["contrib"] for s in steps])),
                           "reward/grounded": float(np.mean(
-                              [grounding_flag(s["next_state"], s["well_formed"], args.env)
+                              [grounding_flag(s["next_state"], s["parsed"], args.env)
                                for s in steps])),
                           "pe/too_long": sum(gather_object([too_long]))})
             for won, name in ((True, "won"), (False, "lost")):

@@ -1,8 +1,12 @@
 """One PPO update of a fixed batch, in one process or in each of those `accelerate launch` started;
 the main process saves the new LoRA weights and the update's stats to the path given.
 
-    python tests/data_parallel_update.py OUT.pt
+    python tests/data_parallel_update.py OUT.pt [SHARE] [METHOD]
     accelerate launch --multi_gpu --num_processes 2 tests/data_parallel_update.py OUT.pt [SHARE]
+        [METHOD]
+
+METHOD is proxmo (default: proxmo.py's policy update) or spa (spa.py's, with its value head and
+value loss).
 
 tests/test_data_parallel.py runs both and compares. The batch is split unevenly on purpose:
 process 0 holds the SHARE (default 5) samples with the shortest responses, process 1 the rest,
@@ -18,7 +22,9 @@ from accelerate import PartialState
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
-from proxmo import Args, build_prompt, chat_ids, policy_update  # noqa: E402
+import proxmo  # noqa: E402
+import spa  # noqa: E402
+from proxmo import build_prompt, chat_ids  # noqa: E402
 
 ACTIONS = ["look", "go to cabinet 1", "open drawer 2", "take apple 1 from countertop 1",
            "heat apple 1 with microwave 1", "move apple 1 to diningtable 1", "inventory"]
@@ -39,26 +45,51 @@ def fixed_batch(tokenizer) -> list[tuple]:
     return sorted(samples, key=lambda s: len(s[1]))
 
 
-def main(out: str, share_of_process_0: int) -> None:
+def with_values(model, value_head, tokenizer, samples: list[tuple]) -> list[tuple]:
+    """spa.py's samples (prompt, response, advantage, return, old log-probs, old value): the old
+    log-probs and values scored before the split, returns made up around them."""
+    with torch.no_grad():
+        logp, _, _, values = spa.policy_forward(model, value_head, [s[0] for s in samples],
+                                                [s[1] for s in samples], tokenizer.pad_token_id)
+    return [(p, r, a, v.item() + a / 2, lp[:len(r)], v.item())
+            for (p, r, a, _), lp, v in zip(samples, logp, values)]
+
+
+def main(out: str, share_of_process_0: int, method: str) -> None:
     dist = PartialState(cpu=True)
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer("tiny")
     model = add_lora(model, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
     samples = fixed_batch(tokenizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if method == "spa":
+        value_head = spa.make_head(model.config.hidden_size, "linear", "cpu")
+        torch.nn.init.normal_(value_head[-1].weight, 0, 0.1)
+        samples = with_values(model, value_head, tokenizer, samples)
+        params += list(value_head.parameters())
     if dist.num_processes == 2:
         shares = [samples[:share_of_process_0], samples[share_of_process_0:]]
         samples = shares[dist.process_index]
     elif dist.num_processes != 1:
         raise SystemExit("run with one or two processes")
-    args = Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2)
     # SGD: Adam's first steps are sign-like and would amplify float noise in tiny gradients.
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    stats = policy_update(args, model, tokenizer, optimizer, samples,
-                          torch.Generator().manual_seed(0), 1)
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    generator = torch.Generator().manual_seed(0)
+    if method == "spa":
+        args = spa.Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2, vf_coef=0.5)
+        stats = spa.policy_update(args, model, value_head, tokenizer, optimizer, samples,
+                                  generator, 1)
+    else:
+        args = proxmo.Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2)
+        stats = proxmo.policy_update(args, model, tokenizer, optimizer, samples, generator, 1)
     if dist.is_main_process:
         weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        if method == "spa":
+            weights.update({f"value_head.{n}": p.detach().clone()
+                            for n, p in value_head.named_parameters()})
         torch.save({"weights": weights, "stats": stats, "processes": dist.num_processes}, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 5)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 5,
+         sys.argv[3] if len(sys.argv) > 3 else "proxmo")

@@ -33,14 +33,18 @@ def test_process_share_splits_contiguously_and_evenly():
     assert list(process_share(3, 0, 1)) == [0, 1, 2]
 
 
-def test_two_processes_make_the_update_of_one(tmp_path):
+@pytest.mark.parametrize("method", ["proxmo", "spa"])
+def test_two_processes_make_the_update_of_one(method, tmp_path):
+    """spa.py's update adds a value loss, a mean over the mini-batch's steps of all processes."""
     script = os.path.join("tests", "data_parallel_update.py")
-    run([sys.executable, script, str(tmp_path / "one.pt")])
+    run([sys.executable, script, str(tmp_path / "one.pt"), "5", method])
     one = torch.load(tmp_path / "one.pt")
     assert one["processes"] == 1 and one["stats"]["train/loss"] != 0
+    if method == "spa":
+        assert one["stats"]["train/value_loss"] > 0
     # Process 0 holds 5 samples (4.4 response tokens each), then 1 (it sits out mini-batches).
     for share in (5, 1):
-        run(LAUNCH + [script, str(tmp_path / f"two_{share}.pt"), str(share)])
+        run(LAUNCH + [script, str(tmp_path / f"two_{share}.pt"), str(share), method])
         two = torch.load(tmp_path / f"two_{share}.pt")
         assert two["processes"] == 2
         # Float tolerance: the processes' micro-batches pad differently from one process's. A
@@ -50,6 +54,8 @@ def test_two_processes_make_the_update_of_one(tmp_path):
         assert two["stats"]["train/grad_norm"] == pytest.approx(
             one["stats"]["train/grad_norm"], rel=1e-4)
         assert 0 <= two["stats"]["train/clip_fraction"] <= 1
+        if method == "spa":  # a mean over micro-batches, which the processes cut differently
+            assert two["stats"]["train/value_loss"] > 0
         moved = 0
         for name, weight in one["weights"].items():
             assert torch.allclose(two["weights"][name], weight, atol=1e-5), (share, name)
