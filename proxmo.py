@@ -899,10 +899,10 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
 
 
 # ---- 9. Training loop ---------------------------------------------------------------------------
-# Data parallel (`accelerate launch --num_processes K proxmo.py ...`): every process holds the same
-# policy, plays a contiguous share of each iteration's task groups (a group never straddles two
-# processes) and of the evaluation tasks, and sums its gradients with the others' before every
-# optimizer step. `python proxmo.py` is one process, and none of this communicates.
+# Data parallel (`accelerate launch --num_processes K <script>.py ...`): every process holds the
+# same policy, plays a contiguous share of each iteration's task groups (a group never straddles
+# two processes) and of the evaluation tasks, and sums its gradients with the others' before
+# every optimizer step. `python <script>.py` is one process, and none of this communicates.
 def process_share(n: int, index: int, count: int) -> range:
     """The contiguous block of range(n) that process `index` of `count` takes (sizes differ by at
     most one; in process order the blocks are range(n))."""

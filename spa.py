@@ -14,29 +14,48 @@ Where this script chooses, or departs from the paper and its released code (spec
     hidden state (the code: full fine-tuning, a head on the logits: the same function class);
     `--pe-head mlp` for the paper's "light MLP". It reads [task and first observation, a_0, o_0,
     ..., a_{n-1}] as one chat (the trailing observation dropped) at the closing token of every
-    reply; only the agent's replies are scored (the code also scores its "OK" message). A
-    trajectory longer than --pe-max-tokens is skipped in PE training and gets c_t = 0 in RL
-    (both counted in the logs).
+    reply; only the agent's replies are scored (the code also scores its "OK" message).
+  * PE training: AdamW at a constant rate, no weight decay, no warm-up (the code: lr 3e-6, 500
+    warm-up steps, weight decay 0.01, full fine-tuning), gradient-norm clip 1.0 as the code; a
+    tenth of the explored tasks (--pe-heldout) is held out, untrained on, to report the fit
+    beside a constant predictor's (the code trains on every rollout). A rollout longer than
+    --pe-max-tokens is left out of training (counted, and how many of them won); in RL it is
+    read up to the limit: replies closing within it are scored exactly (c_t is causal), later
+    steps get 0.
   * RL data: `--rl-data online` (default) rolls out the current policy every iteration and reads
     the c_t of these new rollouts from the frozen PE; `--rl-data explore` trains on the
-    exploration rollouts themselves, as the released code does (old log-probs recomputed from the
-    current policy, so the ratio starts at 1).
+    exploration rollouts themselves, one pass, as the released code does (old log-probs
+    recomputed from the current policy, so the ratio starts at 1). The spec's default is explore;
+    online is the default here because every method of this project is compared on the same
+    budget of fresh rollouts, and the paper's Eq. 9 is written on-policy.
   * Critic: a Linear(H, 1) value head on the policy's final hidden state at the last prompt token
     of each step (the position that predicts the action's first token), backbone and LoRA shared
     with the policy, zero-initialised (V = 0 at the start), clipped value loss with coefficient
-    0.1 (trl's defaults).
+    0.1 (trl's defaults); its own learning rate (--value-learning-rate; the code has one rate).
   * KL to the reference (the adapter disabled): kl_coef * sum over a step's tokens of
     log pi_old - log pi_ref, subtracted from that step's reward (a fixed 0.3; the code adapts it
     from 0.3 by less than 15 % over a run).
   * One step advantage for every token of the reply; advantages whitened over the batch with the
-    population variance; returns (critic targets) un-whitened; V after the last step is 0, success
-    and step limit alike.
+    population variance (the code: over tokens, unbiased); returns (critic targets) un-whitened;
+    V after the last step is 0, success and step limit alike.
+  * g_t = 1 unless the reply has no <action> tag or the environment answered "Nothing happens."
+    (grounding_flag). Evaluation reports the harness's grounding (admissible actions over all
+    steps; the household answers exactly the inadmissible ones "Nothing happens.", ALFWorld
+    answers every inadmissible one so) and the paper's per-trajectory mean of it
+    (eval_*/grounding_per_trajectory).
+  * The batch: the harness's --tasks-per-iteration x --group-size rollouts, mini-batches of
+    --minibatch-size steps (several optimizer steps per PPO epoch) and gradient clipping at 1.0;
+    the code takes 8 trajectories per batch, one optimizer step per epoch, no clipping. The real
+    preset keeps the harness's 50-step limit (the code's ALFWorld cap is 40).
   * Prompts, rollouts, evaluation and behavior cloning are this project's harness (the same as
     proxmo.py): a windowed history prompt with the admissible actions, not the paper's ReAct
     prompt with a one-shot example; evaluation samples at temperature 0.4 like every script here
     (the paper decodes greedily: --eval-temperature 0).
   * With `--model tiny`, the shipped start is already the behavior-cloned policy (the same expert,
     this harness's BC): --bc-epochs 0. Real models clone first (--bc-epochs 3, LoRA, merged).
+  * Not built: micro-batching or gradient checkpointing in PE training (a batch of
+    --pe-batch-size whole trajectories goes through one forward and backward; with a real model
+    and long trajectories lower --pe-batch-size).
 
 Run:
     python spa.py                           # tiny model, built-in household, CPU, minutes
@@ -676,7 +695,10 @@ def encode_trajectory(tokenizer, messages: list[dict]) -> tuple[list[int], list[
         if not text.startswith(head) or text[begin:end] != message["content"]:
             raise UsageError("this tokenizer's chat template rewrites the agent's replies; the "
                              "progress estimator needs them verbatim")
-        closing = next(j for j, s in enumerate(starts) if s >= end)
+        closing = next((j for j, s in enumerate(starts) if s >= end), None)
+        if closing is None:
+            raise UsageError("this tokenizer's chat template does not close the agent's last "
+                             "reply with a token; the progress estimator reads it there")
         for j in range(len(starts)):
             if begin <= starts[j] < end or j == closing:
                 mask[j] = 1
@@ -779,25 +801,49 @@ def train_progress_estimator(args: Args, pe, head, tokenizer, trajs: list[dict],
     return stats
 
 
+def readable_prefix(ids: list[int], mask: list[int], limit: int) -> tuple[list, list]:
+    """The first `limit` tokens of an encoded trajectory, with a reply the cut leaves unclosed
+    unmasked: c_t sees only s_t and a_t, so every reply closing within the limit is scored as it
+    would be in the whole trajectory."""
+    ids, cut = ids[:limit], mask[:limit]
+    if len(mask) > limit and mask[limit] and cut[-1]:
+        j = limit - 1
+        while j >= 0 and cut[j]:
+            cut[j] = 0
+            j -= 1
+    return ids, cut
+
+
 def score_progress(args: Args, pe, head, tokenizer, trajs: list[dict]) -> int:
-    """Writes "contrib" (c_t, Eq. 5, no gradient) into every step; a trajectory longer than
-    --pe-max-tokens gets 0 for every step. Returns how many were that long."""
+    """Writes "contrib" (c_t, Eq. 5, no gradient) into every step. A trajectory longer than
+    --pe-max-tokens is read up to the limit: its replies that close within it are scored, the
+    later steps get 0. Returns how many were that long."""
     encoded = [encode_trajectory(tokenizer, trajectory_messages(t, tokenizer)) for t in trajs]
     fits = [i for i, (ids, _) in enumerate(encoded) if len(ids) <= args.pe_max_tokens]
     lengths = [len(ids) for ids, _ in encoded]
+    too_long = sorted(set(range(len(trajs))) - set(fits))
+    chunks = length_sorted_chunks(fits, lengths, args.pe_batch_size) + [[i] for i in too_long]
+    for i in too_long:
+        encoded[i] = readable_prefix(*encoded[i], args.pe_max_tokens)
     for t in trajs:
         for s in t["steps"]:
             s["contrib"] = 0.0
     with torch.no_grad():
-        for idx in length_sorted_chunks(fits, lengths, args.pe_batch_size):
+        for idx in chunks:
             for i, c in zip(idx, progress_forward(pe, head, [encoded[i] for i in idx],
                                                   tokenizer.pad_token_id)):
+                steps = len(trajs[i]["steps"])
+                if len(c) > steps or (len(c) < steps and lengths[i] <= args.pe_max_tokens):
+                    raise RuntimeError(f"{len(c)} read positions for a trajectory of {steps} "
+                                       "steps")
                 for s, value in zip(trajs[i]["steps"], c.tolist()):
                     s["contrib"] = value
-    return len(trajs) - len(fits)
+    return len(too_long)
 
 
-def save_progress_estimator(path: str, pe, head) -> None:
+def save_progress_estimator(path: str, pe, head, base_model: str) -> None:
+    """The PE's LoRA adapter (its config naming the start model it was trained on) and head."""
+    pe.peft_config["default"].base_model_name_or_path = base_model
     pe.save_pretrained(path)
     torch.save(head.state_dict(), os.path.join(path, "head.pt"))
 
@@ -809,7 +855,7 @@ def load_progress_estimator(args: Args, start_model, path: str):
                          "directory of spa.py?)")
     pe = load_lora(copy.deepcopy(start_model), path)
     head = make_head(pe.config.hidden_size, args.pe_head, next(pe.parameters()).device)
-    head.load_state_dict(torch.load(os.path.join(path, "head.pt")))
+    head.load_state_dict(torch.load(os.path.join(path, "head.pt"), map_location="cpu"))
     pe.eval()
     pe.requires_grad_(False)
     head.requires_grad_(False)
@@ -1106,10 +1152,10 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
 
 
 # ---- 9. Training loop ---------------------------------------------------------------------------
-# Data parallel (`accelerate launch --num_processes K proxmo.py ...`): every process holds the same
-# policy, plays a contiguous share of each iteration's task groups (a group never straddles two
-# processes) and of the evaluation tasks, and sums its gradients with the others' before every
-# optimizer step. `python proxmo.py` is one process, and none of this communicates.
+# Data parallel (`accelerate launch --num_processes K <script>.py ...`): every process holds the
+# same policy, plays a contiguous share of each iteration's task groups (a group never straddles
+# two processes) and of the evaluation tasks, and sums its gradients with the others' before
+# every optimizer step. `python <script>.py` is one process, and none of this communicates.
 def process_share(n: int, index: int, count: int) -> range:
     """The contiguous block of range(n) that process `index` of `count` takes (sizes differ by at
     most one; in process order the blocks are range(n))."""
@@ -1310,9 +1356,11 @@ def main(args: Args) -> dict:
             errors.append(f"--tasks-per-iteration {args.tasks_per_iteration} must be a multiple "
                           f"of the {dist.num_processes} processes (whole groups per process)")
         if args.bc_epochs > 0 and not args.resume:
+            also = (" --progress-model <its run>/progress_model" if args.advantage == "spa"
+                    else "")
             errors.append("behavior cloning runs in one process: run `python spa.py ... "
-                          "--iterations 0` once, then launch RL with --model <its run>/base_model "
-                          "--progress-model <its run>/progress_model")
+                          "--iterations 0` once, then launch RL with --model <its "
+                          f"run>/base_model{also}")
         if args.advantage == "spa" and args.progress_model is None and not args.resume:
             errors.append("exploration and the progress estimator's training run in one "
                           "process: run `python spa.py ... --iterations 0` once, then launch RL "
@@ -1492,7 +1540,7 @@ def main(args: Args) -> dict:
                   f"{fit}")
             log(stats, 0)
             if dist.is_main_process:
-                save_progress_estimator(pe_path, pe, pe_head)
+                save_progress_estimator(pe_path, pe, pe_head, base_model)
         del pe_start
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in model.parameters() if p.requires_grad]},
@@ -1584,7 +1632,6 @@ def main(args: Args) -> dict:
                       "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
                       "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
                       "rollout/step_samples": len(steps),
-                      "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
                       "time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0,
                       "train/advantage_abs_mean": float(np.mean(abs_advantages)),
@@ -1592,6 +1639,8 @@ def main(args: Args) -> dict:
                       "train/explained_variance": float(
                           1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
                       "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))})
+        if args.rl_data == "online":  # explore mode generates nothing here
+            stats["rollout/tokens_per_second"] = n_tokens / max(rollout_seconds, 1e-9)
         if pe is not None:  # does the PE's predicted outcome (Eq. 6) separate wins from losses?
             predicted = {won: [sum(s["contrib"] for s in t["steps"]) for t in batch
                                if t["won"] == won] for won in (True, False)}

@@ -40,9 +40,10 @@ def scalars(run_path):
 
 
 def test_two_iterations_of_spa(tmp_path):
-    out = run(["--iterations", "2", "--run-dir", str(tmp_path), *SMALL], tmp_path)
+    out = run(["--iterations", "2", "--run-dir", str(tmp_path), *SMALL, "--pe-heldout", "0.34"],
+              tmp_path)
     assert re.search(r"^explore 18/18 ", out.stdout, re.MULTILINE)
-    assert "progress estimator: 18 rollouts to train on, 0 of 0 other tasks held out" in out.stdout
+    assert "12 rollouts to train on, 6 of 2 other tasks held out" in out.stdout
     assert "[eval test @ iter 0]" in out.stdout and "[eval test @ iter 2]" in out.stdout
     (run_path,) = glob.glob(str(tmp_path / "spa__household__spa__1__*"))
     for name in ("config.json", "summary.json", "checkpoint/adapter_config.json",
@@ -50,7 +51,8 @@ def test_two_iterations_of_spa(tmp_path):
                  "progress_model/head.pt"):
         assert os.path.isfile(os.path.join(run_path, name)), name
     logged = scalars(run_path)
-    assert logged.Scalars("pe/rollouts")[0].value == 18
+    assert logged.Scalars("pe/rollouts")[0].value == 12
+    assert logged.Scalars("pe/heldout_mse")
     iteration = [e.value for e in logged.Scalars("time/iteration_seconds")]
     parts = [[e.value for e in logged.Scalars(f"time/{part}_seconds")] for part in
              ("prompts", "generation", "env", "old_logprobs", "ref_logprobs", "progress",

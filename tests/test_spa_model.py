@@ -3,6 +3,7 @@ where, that c_t sees no later step, one pass for log-probs and values, and a sav
 back to the same scores."""
 
 import copy
+import json
 
 import torch
 
@@ -10,7 +11,7 @@ import envs
 from common.model import add_lora, load_model_and_tokenizer, response_logprobs
 from spa import (Args, Policy, action_end_positions, encode_trajectory, load_progress_estimator,
                  make_head, policy_forward, progress_forward, rollout, save_progress_estimator,
-                 score_progress, trajectory_messages)
+                 score_progress, score_rollouts, trajectory_messages)
 
 
 def tiny_rollouts(n_tasks=3, steps=6):
@@ -100,7 +101,9 @@ def test_saved_progress_estimator_scores_the_same(tmp_path):
     head = make_head(model.config.hidden_size, args.pe_head, "cpu")
     head[-1].bias.data.fill_(0.25)
     torch.nn.init.normal_(head[-1].weight, 0, 0.1)
-    save_progress_estimator(str(tmp_path / "pe"), pe, head)
+    save_progress_estimator(str(tmp_path / "pe"), pe, head, "the start model")
+    with open(tmp_path / "pe" / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] == "the start model"
     loaded, loaded_head = load_progress_estimator(args, start, str(tmp_path / "pe"))
     for scorer in ((pe, head), (loaded, loaded_head)):
         score_progress(args, *scorer, tokenizer, trajs)
@@ -111,17 +114,34 @@ def test_saved_progress_estimator_scores_the_same(tmp_path):
     assert not any(p.requires_grad for p in loaded.parameters())
 
 
-def test_too_long_trajectories_get_zero_contributions():
+def test_too_long_trajectories_are_read_up_to_the_limit():
+    """Replies that close within --pe-max-tokens are scored, later steps get 0."""
     args, model, tokenizer, trajs = tiny_rollouts()
     pe = add_lora(model, 4, 8, 0.0, "all-linear")
     head = make_head(model.config.hidden_size, "linear", "cpu")
     head[-1].bias.data.fill_(0.5)
-    lengths = [len(encode_trajectory(tokenizer, trajectory_messages(t, tokenizer))[0])
-               for t in trajs]
-    args = Args(pe_max_tokens=sorted(lengths)[0])  # only the shortest fits
+    encoded = [encode_trajectory(tokenizer, trajectory_messages(t, tokenizer)) for t in trajs]
+    limit = min(len(ids) for ids, _ in encoded)  # only the shortest fits
+    args = Args(pe_max_tokens=limit)
     too_long = score_progress(args, pe, head, tokenizer, trajs)
-    assert too_long == sum(n > args.pe_max_tokens for n in lengths) >= 1
-    for t, n in zip(trajs, lengths):
-        contribs = {s["contrib"] for s in t["steps"]}
-        assert contribs == {0.0} if n > args.pe_max_tokens else all(
-            abs(c - 0.5) < 1e-6 for c in contribs)
+    assert too_long == sum(len(ids) > limit for ids, _ in encoded) >= 1
+    for t, (ids, mask) in zip(trajs, encoded):
+        readable = sum(end < limit for end in action_end_positions(mask))
+        contribs = [s["contrib"] for s in t["steps"]]
+        assert all(abs(c - 0.5) < 1e-6 for c in contribs[:readable])
+        assert contribs[readable:] == [0.0] * (len(contribs) - readable)
+        assert readable == len(contribs) or len(ids) > limit
+
+
+def test_scoring_pass_a_zero_adapter_has_no_kl_and_values_ignore_the_batch():
+    args, model, tokenizer, trajs = tiny_rollouts()
+    policy = add_lora(model, 4, 8, 0.0, "all-linear")  # lora_B = 0: the policy is the reference
+    value_head = make_head(model.config.hidden_size, "linear", "cpu")
+    torch.nn.init.normal_(value_head[-1].weight, 0, 0.1)
+    score_rollouts(args, policy, value_head, tokenizer, trajs)
+    steps = [s for t in trajs for s in t["steps"]]
+    assert all(s["step_kl"] == 0.0 for s in steps)
+    alone = copy.deepcopy(steps[0])  # the same prompt scored in a batch of one
+    score_rollouts(args, policy, value_head, tokenizer, [{"steps": [alone]}])
+    assert abs(alone["value"] - steps[0]["value"]) < 1e-5 and abs(alone["value"]) > 0
+    assert torch.allclose(alone["old_logprobs"], steps[0]["old_logprobs"], atol=1e-5)

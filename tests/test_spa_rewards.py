@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from spa import (action_end_positions, fused_rewards, gae, grounding_flag,
-                 progress_estimator_loss, spa_advantages, whiten)
+from spa import (Args, action_end_positions, compute_advantages, fused_rewards, gae,
+                 grounding_flag, ppo_clip_loss, progress_estimator_loss, readable_prefix,
+                 spa_advantages, value_loss, whiten)
 
 TOL = 1e-6
 # The spec's Example 1: trajectory A (success, n = 4) and B (failure, n = 3).
@@ -167,3 +168,66 @@ def test_progress_loss_gradient_reaches_every_step():
     # d/dc_t of mean_i (S_i - R_i)^2 = 2 (S_i - R_i) / B for every step of trajectory i
     assert close(scores[0].grad.tolist(), [-0.5, -0.5]) and close(scores[1].grad.tolist(), [0.4])
     assert math.isclose(loss.item(), (0.25 + 0.16) / 2, abs_tol=TOL)
+
+
+def summary(traj: dict, won: bool) -> dict:
+    """A trajectory as the training loop's summaries hold it: g_t from the observation each step
+    got and whether its reply parsed."""
+    steps = [{"contrib": c, "value": v, "step_kl": 0.0, "parsed": True,
+              "next_state": "You arrive at desk 1." if g else "Nothing happens."}
+             for c, g, v in zip(traj["contribs"], traj["grounded"], traj["values"])]
+    rewards = [0.0] * (len(steps) - 1) + [float(won)]
+    return {"won": won, "rewards": rewards, "steps": steps}
+
+
+def test_compute_advantages_reads_the_steps_of_a_batch():
+    """SPA's defaults on Example 1's pair give Example 1's whitened advantages; an unparsed reply
+    has g = 0 whatever the observation."""
+    batch = [summary(A, True), summary(B, False)]
+    adv, ret = compute_advantages(Args(), batch)
+    assert close(adv[0], [1.972820, 0.901521, -0.469422, -0.062803])
+    assert close(adv[1], [-0.465997, -1.154706, -0.721414])
+    assert close(ret[0], [2.340852, 1.808881, 0.972175, 1.050000])
+    batch[0]["steps"][0]["parsed"] = False  # r_0 of A loses its 0.5: 0.1 instead of 0.6
+    _, ret = compute_advantages(Args(normalize_advantages=False), batch)
+    assert close(ret[0], [2.340852 - 0.5, 1.808881, 0.972175, 1.050000])
+
+
+def test_the_ppo_baseline_uses_the_sparse_outcome():
+    """r = (0, 0, 0, 1) for A and zeros for B; V as in Example 1; gamma 0.99, lambda 0.95.
+    A: deltas (0.192, 0.091, -0.207, 0.3), A_3 = 0.3, A_2 = -0.207 + 0.9405 * 0.3 = 0.07515,
+    A_1 = 0.091 + 0.9405 * 0.07515 = 0.161679, A_0 = 0.192 + 0.9405 * 0.161679 = 0.344059.
+    B: deltas (-0.103, -0.102, -0.2): A = (-0.375839, -0.2901, -0.2)."""
+    batch = [summary(A, True), summary(B, False)]
+    adv, ret = compute_advantages(Args(advantage="ppo", normalize_advantages=False), batch)
+    assert close(adv[0], [0.344059, 0.161679, 0.07515, 0.3])
+    assert close(ret[0], [0.944059, 0.961679, 0.97515, 1.0])
+    assert close(adv[1], [-0.375839, -0.2901, -0.2])
+
+
+def test_clipped_value_loss_by_hand():
+    """V = (1.0, 0.0), V_old = (0.5, 0.5), G = (2.0, 0.1), clip 0.2. Row 0: (V - G)^2 = 1,
+    clipped V = 0.7, (0.7 - 2)^2 = 1.69: 0.5 * 1.69 = 0.845. Row 1: 0.01 against clipped V = 0.3,
+    (0.3 - 0.1)^2 = 0.04: 0.02."""
+    loss = value_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5]),
+                      torch.tensor([2.0, 0.1]), clip=0.2)
+    assert close(loss.tolist(), [0.845, 0.02])
+
+
+def test_clipped_surrogate_by_hand():
+    """Ratios (1.5, 0.5) and a masked third token. A = 2: -min(3, 2.4) = -2.4 and -min(1, 1.6) =
+    -1: mean -1.7. A = -1: -min(-1.5, -1.2) = 1.5 and -min(-0.5, -0.8) = 0.8: 1.15; with the dual
+    clip c = 1.3 the first is capped at 1.3: 1.05."""
+    logp = torch.tensor([[math.log(1.5), math.log(0.5), 100.0]])
+    old, mask = torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]])
+    assert abs(ppo_clip_loss(logp, old, torch.tensor([2.0]), mask).item() + 1.7) < TOL
+    assert abs(ppo_clip_loss(logp, old, torch.tensor([-1.0]), mask).item() - 1.15) < TOL
+    dual = ppo_clip_loss(logp, old, torch.tensor([-1.0]), mask, clip_ratio_c=1.3)
+    assert abs(dual.item() - 1.05) < TOL
+
+
+def test_readable_prefix_drops_a_reply_the_cut_leaves_open():
+    ids, mask = list(range(10)), [0, 1, 1, 0, 0, 1, 1, 1, 0, 0]
+    assert readable_prefix(ids, mask, 6) == (ids[:6], [0, 1, 1, 0, 0, 0])
+    assert readable_prefix(ids, mask, 8) == (ids[:8], mask[:8])  # reply closes at 7: kept
+    assert readable_prefix(ids, mask, 10) == (ids, mask)
