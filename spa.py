@@ -790,11 +790,11 @@ def train_progress_estimator(args: Args, pe, head, tokenizer, trajs: list[dict],
              "pe/skipped_too_long_won": skipped_won,
              "pe/explore_success": float(outcomes.mean())}
     if heldout:
+        scores = []
         with torch.no_grad():
-            scores = [c for k in range(0, len(heldout), args.pe_batch_size)
-                      for c in progress_forward(pe, head, [encoded[i] for i in
-                                                           heldout[k:k + args.pe_batch_size]],
-                                                tokenizer.pad_token_id)]
+            for k in range(0, len(heldout), args.pe_batch_size):
+                chunk = [encoded[i] for i in heldout[k:k + args.pe_batch_size]]
+                scores += progress_forward(pe, head, chunk, tokenizer.pad_token_id)
         constant = torch.full((len(heldout),), outcomes[train].mean().item())
         stats["pe/heldout_mse"] = progress_estimator_loss(scores, outcomes[heldout]).item()
         stats["pe/heldout_mse_of_constant"] = ((constant - outcomes[heldout]) ** 2).mean().item()
