@@ -717,8 +717,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
     None), "state" (raw observation = anchor text), "action" (executed), "next_state" (the
-    observation it got), "valid" (admissible, from the env), "well_formed" (see is_well_formed),
-    "label"}]}.
+    observation it got), "valid" (admissible, from the env), "parsed" (the reply had an <action>
+    tag), "well_formed" (see is_well_formed), "label"}]}.
     seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
     seconds = defaultdict(float) if seconds is None else seconds
     expert = expert_rng is not None
@@ -742,7 +742,7 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             labels = [games[i].expert_action() for i in active]
             commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise, expert_rng)
                         if label is not None else "look" for i, label in zip(active, labels)]
-            well_formed = [True] * len(active)
+            well_formed = has_action = [True] * len(active)
         else:
             responses, logprobs = policy.generate(prompts, temperature, top_p)
             logprobs = logprobs or [None] * len(active)
@@ -751,6 +751,7 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             # No <action> tag: the env gets the reply's tail, which is never admissible.
             commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
             labels = [None] * len(active)
+            has_action = [p is not None for p in parsed]
             well_formed = [is_well_formed(t, args.reasoning) for t in texts]
         seconds["generation"] += time.perf_counter() - start
         states = {i: batch.observations[i] for i in active}
@@ -763,7 +764,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
                                 "logprobs": logprobs[k], "state": states[i], "action": commands[k],
                                 "next_state": obs, "valid": bool(info["valid"]),
-                                "well_formed": well_formed[k], "label": labels[k]})
+                                "parsed": has_action[k], "well_formed": well_formed[k],
+                                "label": labels[k]})
             tr["rewards"].append(reward)
             tr["history"].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
