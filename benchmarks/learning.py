@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # run takes about 12 minutes on 2 cores; the hyperparameters themselves were not tuned.
 PROTOCOL_FLAGS = ["--iterations", "20", "--tasks-per-iteration", "8"]
 # Each script's values of --advantage: the method first, then its baselines.
-ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"]}
+ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"],
+              "istar.py": ["istar", "rloo", "grpo"]}
 
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:
