@@ -5,8 +5,9 @@ the main process saves the new LoRA weights and the update's stats to the path g
     accelerate launch --multi_gpu --num_processes 2 tests/data_parallel_update.py OUT.pt [SHARE]
         [METHOD]
 
-METHOD is proxmo (default: proxmo.py's policy update) or spa (spa.py's, with its value head and
-value loss).
+METHOD is proxmo (default: proxmo.py's policy update), spa (spa.py's, with its value head and
+value loss) or istar (istar.py's DPO step of the PRM, not a policy update: the 14 samples are the
+steps of 7 trajectories in 3 groups, and SHARE counts process 0's trajectories, whole groups).
 
 tests/test_data_parallel.py runs both and compares. The batch is split unevenly on purpose:
 process 0 holds the SHARE (default 5) samples with the shortest responses, process 1 the rest,
@@ -22,6 +23,7 @@ from accelerate import PartialState
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
+import istar  # noqa: E402
 import proxmo  # noqa: E402
 import spa  # noqa: E402
 from proxmo import build_prompt, chat_ids  # noqa: E402
@@ -55,6 +57,41 @@ def with_values(model, value_head, tokenizer, samples: list[tuple]) -> list[tupl
             for (p, r, a, _), lp, v in zip(samples, logp, values)]
 
 
+# istar: the 14 fixed samples as 7 trajectories (steps each), their groups and outcomes.
+TRAJ_STEPS = [2, 2, 3, 2, 2, 1, 2]
+TRAJ_GROUPS = [0, 0, 0, 1, 1, 2, 2]
+TRAJ_WON = [1, 0, 0, 1, 0, 0, 1]
+
+
+def prm_step(model, tokenizer, samples: list[tuple], share_of_process_0: int) -> dict:
+    """istar.prm_update on the fixed batch: the PRM is `model` with its adapter moved off zero,
+    the old log-probs are those of the zero adapter; every process scores the whole batch (the
+    gathered one) and steps on its share of whole trajectories."""
+    dist = PartialState()
+    steps = [(p, r) for p, r, _, _ in samples]
+    with model.disable_adapter():
+        old = istar.score_responses(model, tokenizer, steps, 4, 1.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    trajs = [{"steps": [None] * n} for n in TRAJ_STEPS]
+    rewards = istar.step_rewards_per_trajectory(
+        trajs, istar.score_responses(model, tokenizer, steps, 4, 1.0), old, 0.05)
+    batch = [{"won": w, "group": g, "step_rewards": r}
+             for w, g, r in zip(TRAJ_WON, TRAJ_GROUPS, rewards)]
+    mine = range(len(batch))
+    if dist.num_processes == 2:
+        mine = [range(share_of_process_0), range(share_of_process_0, len(batch))][
+            dist.process_index]
+    first_step = sum(TRAJ_STEPS[:mine.start])
+    share = [(p, r, lp) for (p, r), lp in list(zip(steps, old))[
+        first_step:first_step + sum(TRAJ_STEPS[i] for i in mine)]]
+    args = istar.Args(micro_batch_size=3)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    return istar.prm_update(args, model, tokenizer, optimizer, batch, share, mine, 1)
+
+
 def main(out: str, share_of_process_0: int, method: str) -> None:
     dist = PartialState(cpu=True)
     torch.manual_seed(0)
@@ -67,21 +104,25 @@ def main(out: str, share_of_process_0: int, method: str) -> None:
         torch.nn.init.normal_(value_head[-1].weight, 0, 0.1)
         samples = with_values(model, value_head, tokenizer, samples)
         params += list(value_head.parameters())
-    if dist.num_processes == 2:
-        shares = [samples[:share_of_process_0], samples[share_of_process_0:]]
-        samples = shares[dist.process_index]
-    elif dist.num_processes != 1:
+    if dist.num_processes not in (1, 2):
         raise SystemExit("run with one or two processes")
-    # SGD: Adam's first steps are sign-like and would amplify float noise in tiny gradients.
-    optimizer = torch.optim.SGD(params, lr=0.5)
-    generator = torch.Generator().manual_seed(0)
-    if method == "spa":
-        args = spa.Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2, vf_coef=0.5)
-        stats = spa.policy_update(args, model, value_head, tokenizer, optimizer, samples,
-                                  generator, 1)
+    if method == "istar":
+        stats = prm_step(model, tokenizer, samples, share_of_process_0)
     else:
-        args = proxmo.Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2)
-        stats = proxmo.policy_update(args, model, tokenizer, optimizer, samples, generator, 1)
+        if dist.num_processes == 2:
+            samples = [samples[:share_of_process_0],
+                       samples[share_of_process_0:]][dist.process_index]
+        # SGD: Adam's first steps are sign-like and would amplify float noise in tiny gradients.
+        optimizer = torch.optim.SGD(params, lr=0.5)
+        generator = torch.Generator().manual_seed(0)
+        if method == "spa":
+            args = spa.Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2, vf_coef=0.5)
+            stats = spa.policy_update(args, model, value_head, tokenizer, optimizer, samples,
+                                      generator, 1)
+        else:
+            args = proxmo.Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2)
+            stats = proxmo.policy_update(args, model, tokenizer, optimizer, samples, generator,
+                                         1)
     if dist.is_main_process:
         weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         if method == "spa":

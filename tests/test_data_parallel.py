@@ -33,13 +33,26 @@ def test_process_share_splits_contiguously_and_evenly():
     assert list(process_share(3, 0, 1)) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("method", ["proxmo", "spa"])
+@pytest.mark.parametrize("method", ["proxmo", "spa", "istar"])
 def test_two_processes_make_the_update_of_one(method, tmp_path):
-    """spa.py's update adds a value loss, a mean over the mini-batch's steps of all processes."""
+    """spa.py's update adds a value loss, a mean over the mini-batch's steps of all processes;
+    istar's is the PRM's DPO step, whose pairs and loss span the processes' groups."""
     script = os.path.join("tests", "data_parallel_update.py")
     run([sys.executable, script, str(tmp_path / "one.pt"), "5", method])
     one = torch.load(tmp_path / "one.pt")
-    assert one["processes"] == 1 and one["stats"]["train/loss"] != 0
+    assert one["processes"] == 1
+    if method == "istar":  # process 0 holds group 0 (3 trajectories), then groups 0 and 1 (5)
+        assert one["stats"]["prm/pairs"] == 4
+        for share in (3, 5):
+            run(LAUNCH + [script, str(tmp_path / f"two_{share}.pt"), str(share), method])
+            two = torch.load(tmp_path / f"two_{share}.pt")
+            assert two["processes"] == 2 and two["stats"]["prm/pairs"] == 4
+            assert two["stats"]["prm/grad_norm"] == pytest.approx(
+                one["stats"]["prm/grad_norm"], rel=1e-4)
+            for name, weight in one["weights"].items():
+                assert torch.allclose(two["weights"][name], weight, atol=1e-6), (share, name)
+        return
+    assert one["stats"]["train/loss"] != 0
     if method == "spa":
         assert one["stats"]["train/value_loss"] > 0
     # Process 0 holds 5 samples (4.4 response tokens each), then 1 (it sits out mini-batches).
