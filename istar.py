@@ -34,12 +34,21 @@ Where this script chooses, or departs from the paper and its released code (spec
   * Loss: token-level ratio, clip 0.2, token-mean (the code's default); the code's entropy bonus
     0.001 and dual clip 3 are off (--entropy-coef, --clip-ratio-c); no KL (--kl-coef 0). The
     spec's GSPO-style step-level ratio is not built.
+  * Outcome: r_o = 10 for a won episode, 0 for a lost one (--success-reward, the code's 10 on
+    WebShop and Sokoban). It sets the RLOO episode term's scale against the rescaled step term
+    (|r| <= 1); GRPO is scale-free. DPO positives: the won episodes.
   * Invalid replies: the harness's rule for every script, --invalid-action-penalty subtracted
-    from the advantage of each malformed reply after all normalisation; the outcome r_o stays
-    0/1 (the spec's -0.1 env reward inside r_o would make a won trajectory with many invalid
-    replies a DPO negative).
+    from the advantage of each malformed reply after all normalisation, not the spec's -0.1 env
+    reward inside r_o (which would make a won trajectory with many invalid replies a negative).
   * Learning rates: LoRA rates, not the paper's full fine-tuning ones; the PRM's is twice the
-    policy's, the paper's ratio (1e-6 / 5e-7).
+    policy's, the paper's ratio (1e-6 / 5e-7). Policy weight decay 0 (the code: 0.01), as every
+    script here. The baselines (--advantage rloo / grpo) take their old log-probs as recorded at
+    sampling; only iStar needs them recomputed.
+  * A batch without any won-lost pair (or --group-size 1) leaves the PRM as it is, but its step
+    rewards are not 0 once the policy has moved: r_t then measures the policy's drift from the
+    PRM, and the step term pulls the policy back toward it.
+  * Environments: the household and ALFWorld (step limits 30 / 50), not the paper's WebShop,
+    VisualSokoban and SOTOPIA (10 / 15 turns in the code).
   * Prompts, rollouts, evaluation and behavior cloning are this project's harness (the same as
     proxmo.py): a windowed history prompt with the admissible actions, not the paper's ReAct
     template. With `--model tiny` the shipped start is already behavior-cloned; real models
@@ -148,6 +157,9 @@ class Args:
     step_reward_scale: Literal["max_abs", "none"] = "max_abs"
     """divide the step rewards by the batch's max |r| + 1e-6 before the advantages (the code's
     default), or none"""
+    success_reward: float = 10.0
+    """outcome r_o of a won episode (a lost one gets 0): the code's 10; it weighs the RLOO episode
+    term against the step term, whose rewards are rescaled to |r| <= 1"""
     use_std: bool = True
     """GRPO divides by the group's std, as the paper; --no-use-std only subtracts the mean, as the
     code's GRPO mode"""
@@ -311,6 +323,7 @@ def validate_args(args: Args) -> list[str]:
         (a.history_length >= 0, "--history-length must be >= 0"),
         (a.step_weight >= 0, "--step-weight must be >= 0"),
         (a.beta > 0, "--beta must be > 0"),
+        (a.success_reward > 0, "--success-reward must be > 0"),
         (a.prm_learning_rate > 0, "--prm-learning-rate must be > 0"),
         (a.prm_max_grad_norm > 0, "--prm-max-grad-norm must be > 0"),
         (a.invalid_action_penalty >= 0, "--invalid-action-penalty must be >= 0"),
@@ -477,6 +490,7 @@ ESTIMATORS = ("grpo", "rloo")
 
 
 def _check_estimator(estimator: str) -> None:
+    """ValueError unless estimator is one of ESTIMATORS (no silent fallback)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be 'grpo' or 'rloo', not {estimator!r}")
 
@@ -499,8 +513,9 @@ def implicit_step_rewards(prm_logps: list[list[Tensor]], old_logps: list[list[Te
     log-probs of step t of trajectory i -> per trajectory a (T_i,) tensor of step rewards. The
     autograd graph through prm_logps is kept."""
     out = []
-    for prm_steps, old_steps in zip(prm_logps, old_logps):
-        rewards = [implicit_step_reward(p, o, beta) for p, o in zip(prm_steps, old_steps)]
+    for prm_steps, old_steps in zip(prm_logps, old_logps, strict=True):
+        rewards = [implicit_step_reward(p, o, beta)
+                   for p, o in zip(prm_steps, old_steps, strict=True)]
         out.append(torch.stack(rewards) if rewards else torch.zeros(0))
     return out
 
@@ -631,7 +646,7 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
     estimator: --invalid-action-penalty is subtracted from the final advantage of each malformed
     reply, after every normalisation and baseline, so that it moves that step's advantage by
     exactly the penalty and nothing else."""
-    outcomes = [float(t["won"]) for t in trajectories]
+    outcomes = [args.success_reward * float(t["won"]) for t in trajectories]
     groups = [t["group"] for t in trajectories]
     if args.advantage == "istar":
         step_rewards = [torch.tensor(t["step_rewards"], dtype=torch.float64)
@@ -672,6 +687,7 @@ def step_rewards_per_trajectory(trajs: list[dict], prm_logp: list[Tensor],
                                 old_logp: list[Tensor], beta: float) -> list[list[float]]:
     """Eq. 1 for every step of `trajs`; prm_logp and old_logp hold one (L,) tensor per step, in
     trajectory order, then step order."""
+    assert len(prm_logp) == len(old_logp) == sum(len(tr["steps"]) for tr in trajs)
     prm_steps, old_steps, k = [], [], 0
     for tr in trajs:
         n = len(tr["steps"])
@@ -696,20 +712,21 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
                for t in batch]
     loss, n_pairs = trajectory_dpo_loss(rewards, [float(t["won"]) for t in batch],
                                         [t["group"] for t in batch], traj_agg=args.traj_agg)
-    # The loss of a fresh batch under the PRM before its step: held-out, log 2 = no preference.
     if n_pairs == 0:  # every group all won or all lost: nothing to prefer, no step
         return {"prm/pairs": 0}
+    # The loss of a fresh batch under the PRM before its step: held-out, log 2 = no preference.
     stats = {"prm/dpo_loss": loss.item(), "prm/pairs": n_pairs}
     loss.backward()
     # dLoss/dr_t per step of this process; a trajectory in no pair got no gradient: 0.
     coefficients = [c for i in mine for c in (rewards[i].grad if rewards[i].grad is not None
                                               else torch.zeros(len(rewards[i]))).tolist()]
+    assert len(coefficients) == len(samples), "samples must be the steps of batch[mine]"
     trained = [k for k, c in enumerate(coefficients) if c != 0]
     lengths = [len(s[0]) + len(s[1]) for s in samples]
     params = [p for p in prm.parameters() if p.requires_grad]
     device = next(prm.parameters()).device
     optimizer.zero_grad(set_to_none=True)
-    prm.train()
+    prm.eval()  # the gradient of the very function that scored the rewards (no dropout)
     for idx in length_sorted_chunks(trained, lengths, args.micro_batch_size):
         logp, mask, _ = response_logprobs(prm, [samples[k][0] for k in idx],
                                           [samples[k][1] for k in idx], tokenizer.pad_token_id,
@@ -726,8 +743,9 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.prm_max_grad_norm).item()
     check_finite(f"iteration {iteration}, PRM step", loss=loss.item(), grad_norm=grad_norm)
     optimizer.step()
-    prm.eval()
-    stats.update({"prm/grad_norm": grad_norm, "prm/trained_steps": len(trained)})
+    stats["prm/grad_norm"] = grad_norm
+    if not dist.num_processes > 1:  # this process's count; the batch's only with one process
+        stats["prm/trained_steps"] = len(trained)
     return stats
 
 
@@ -1209,13 +1227,15 @@ def main(args: Args) -> dict:
         sys.stdout = open(os.devnull, "w")
     if args.group_size == 1:
         print("warning: --group-size 1: a group of one has no baseline (its episode advantage is "
-              "its raw outcome) and no DPO pair (the PRM never learns)", file=sys.stderr)
+              "its raw outcome) and no DPO pair: the PRM never learns, and its step rewards only "
+              "measure the policy's drift from the start", file=sys.stderr)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
 
-    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
+    method = f"istar-{args.estimator}" if args.advantage == "istar" else args.advantage
+    run_name = f"{args.exp_name}__{args.env}__{method}__{args.seed}__{int(time.time())}"
     run_name = broadcast_object_list([run_name])[0]  # the main process's clock names the run
     run_path = args.resume or os.path.join(args.run_dir, run_name)
     checkpoint = os.path.join(run_path, "checkpoint")
@@ -1320,8 +1340,10 @@ def main(args: Args) -> dict:
                 raise UsageError(f"--resume {args.resume}: no checkpoint/prm/ (the PRM's "
                                  "adapter) in it")
             prm = load_lora(prm, os.path.join(checkpoint, "prm"))
-        else:
-            prm = add_lora(prm, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+        else:  # its own random draws: the policy's init and rollouts match the baselines'
+            with torch.random.fork_rng():
+                torch.manual_seed(args.seed + 1)
+                prm = add_lora(prm, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
     if args.resume:
         model = load_lora(model, checkpoint)
     else:
@@ -1385,7 +1407,7 @@ def main(args: Args) -> dict:
         run_eval(0)
     for iteration in range(start_iteration + 1, args.iterations + 1):
         t0 = time.time()
-        # (1) B tasks x N copies, (2) lock-step rollouts, (3) 0/1 outcomes.
+        # Algorithm 1. (1) B tasks x N copies, lock-step rollouts of pi_old, (2) outcomes.
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         policy.sync(run_path)
         my_groups = process_share(len(batch_tasks), dist.process_index, dist.num_processes)
@@ -1395,52 +1417,53 @@ def main(args: Args) -> dict:
         trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
                         seconds=seconds)
         rollout_seconds = time.time() - t0
-        # (3) Eq. 1: the step rewards of the PRM as it is before this iteration's DPO step. The
-        # old log-probs come from a forward pass like the PRM's (see score_responses).
-        steps = [(s["prompt"], s["response_ids"]) for tr in trajs for s in tr["steps"]]
+        # (3, 4) Eq. 1: old log-probs, the PRM's, and the step rewards of the PRM as it is before
+        # this iteration's DPO step. The old log-probs come from a forward pass like the PRM's.
+        my_steps = [(s["prompt"], s["response_ids"]) for tr in trajs for s in tr["steps"]]
         if prm is not None:
             start = time.perf_counter()
-            old_logp = score_responses(model, tokenizer, steps, args.micro_batch_size,
+            old_logp = score_responses(model, tokenizer, my_steps, args.micro_batch_size,
                                        args.rollout_temperature)
             seconds["old_logprobs"] = time.perf_counter() - start  # replaces the update's ~0
             start = time.perf_counter()
-            prm_logp = score_responses(prm, tokenizer, steps, args.micro_batch_size,
+            prm_logp = score_responses(prm, tokenizer, my_steps, args.micro_batch_size,
                                        args.rollout_temperature)
             seconds["prm_logprobs"] = time.perf_counter() - start
             step_rewards = step_rewards_per_trajectory(trajs, prm_logp, old_logp, args.beta)
         else:  # the baselines: the update uses the log-probs recorded at sampling
             old_logp = [s["logprobs"] for tr in trajs for s in tr["steps"]]
             step_rewards = [[0.0] * len(tr["steps"]) for tr in trajs]
-        for tr, rewards in zip(trajs, step_rewards):
+        for tr, rewards in zip(trajs, step_rewards, strict=True):
             tr["step_rewards"] = rewards
-        # (4) advantages, one scalar per step, computed over the whole batch (the step rewards
-        # are rescaled by the batch's max); each process keeps those of its trajectories.
+        # (6, 7) advantages, one scalar per step, computed over the whole batch (the step rewards
+        # rescaled by the batch's max |r|); each process keeps those of its trajectories.
         start = time.perf_counter()
         batch = gather_object([summarize(t) for t in trajs])
         first = my_groups.start * args.group_size
         batch_advantages = compute_advantages(args, batch)
         advantages = batch_advantages[first:first + len(trajs)]
         seconds["advantages"] = time.perf_counter() - start
-        # (5) Eq. 2: one DPO step of the PRM on the batch's won-lost pairs.
+        # (5) Eq. 2: one DPO step of the PRM on the batch's won-lost pairs, with the raw rewards
+        # (after they were read: the order of steps 4 and 5 is Algorithm 1's).
         prm_stats = {}
         if prm is not None:
             start = time.perf_counter()
             prm_stats = prm_update(args, prm, tokenizer, prm_optimizer, batch,
-                                   [(p, r, lp) for (p, r), lp in zip(steps, old_logp)],
+                                   [(p, r, lp) for (p, r), lp in zip(my_steps, old_logp)],
                                    range(first, first + len(trajs)), iteration)
             seconds["prm_update"] = time.perf_counter() - start
-        old_logp = [lp.tolist() if isinstance(lp, Tensor) else lp for lp in old_logp]
-        samples = [(p, r, float(a), lp) for (p, r), a, lp in
-                   zip(steps, (a for adv in advantages for a in adv), old_logp)]
-        # (6) the clipped policy-gradient update (Eq. 6), then pi_old <- pi.
+        my_advantages = [float(a) for adv in advantages for a in adv]
+        samples = [(p, r, a, lp.tolist() if isinstance(lp, Tensor) else lp)  # lists, as recorded
+                   for (p, r), a, lp in zip(my_steps, my_advantages, old_logp, strict=True)]
+        # (8, 9) the clipped policy-gradient update (Eq. 6); the next rollouts are pi_old's.
         stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
         n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
         abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
-        step_rewards = [r for tr in batch for r in tr["step_rewards"]]
         stats.update(prm_stats)
         if prm is not None:
-            stats.update({"prm/step_reward_mean": float(np.mean(step_rewards)),
-                          "prm/step_reward_abs_max": float(np.max(np.abs(step_rewards)))})
+            batch_step_rewards = [r for tr in batch for r in tr["step_rewards"]]
+            stats.update({"prm/step_reward_mean": float(np.mean(batch_step_rewards)),
+                          "prm/step_reward_abs_max": float(np.max(np.abs(batch_step_rewards)))})
         steps = [s for tr in batch for s in tr["steps"]]
         stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
                       "rollout/grounding": float(np.mean([s["valid"] for s in steps])),

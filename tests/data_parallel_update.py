@@ -60,7 +60,7 @@ def with_values(model, value_head, tokenizer, samples: list[tuple]) -> list[tupl
 # istar: the 14 fixed samples as 7 trajectories (steps each), their groups and outcomes.
 TRAJ_STEPS = [2, 2, 3, 2, 2, 1, 2]
 TRAJ_GROUPS = [0, 0, 0, 1, 1, 2, 2]
-TRAJ_WON = [1, 0, 0, 1, 0, 0, 1]
+TRAJ_WON = [1, 0, 0, 1, 0, 0, 0]  # group 2 all lost: no pair
 
 
 def prm_step(model, tokenizer, samples: list[tuple], share_of_process_0: int) -> dict:

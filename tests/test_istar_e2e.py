@@ -41,7 +41,7 @@ def adapter_weights(path):
 def test_three_iterations_of_istar(tmp_path):
     out = run(["--iterations", "3", "--run-dir", str(tmp_path), *SMALL], tmp_path)
     assert "[eval test @ iter 0]" in out.stdout and "[eval test @ iter 3]" in out.stdout
-    (run_path,) = glob.glob(str(tmp_path / "istar__household__istar__1__*"))
+    (run_path,) = glob.glob(str(tmp_path / "istar__household__istar-rloo__1__*"))
     for name in ("config.json", "summary.json", "checkpoint/adapter_config.json",
                  "checkpoint/trainer_state.pt", "checkpoint/prm/adapter_config.json"):
         assert os.path.isfile(os.path.join(run_path, name)), name
@@ -114,6 +114,7 @@ def test_help_lists_the_flags(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--beta", "0"], "--beta must be > 0"),
+    (["--success-reward", "-10"], "--success-reward must be > 0"),
     (["--step-weight", "-1"], "--step-weight must be >= 0"),
     (["--prm-learning-rate", "0"], "--prm-learning-rate must be > 0"),
     (["--prm-max-grad-norm", "inf"], "--prm-max-grad-norm must be finite"),

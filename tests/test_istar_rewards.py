@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from istar import (episode_advantages, group_normalize, implicit_step_reward,
+from istar import (Args, compute_advantages, episode_advantages, group_normalize, implicit_step_reward,
                    implicit_step_rewards, istar_batch_advantages, istar_group_advantages,
                    leave_one_out, scale_step_rewards_max_abs, step_advantages,
                    trajectory_dpo_loss)
@@ -195,7 +195,7 @@ def test_edge_three_trajectories():
 def test_edge_no_pair_threshold_and_large_margin():
     assert trajectory_dpo_loss([], [], []) == (torch.tensor(0.0), 0)
     loss, pairs = trajectory_dpo_loss([T([0.5]), T([0.1])], [0.0, -1.0], [0, 0])
-    assert pairs == 0  # an outcome equal to the threshold is a negative
+    assert pairs == 0 and loss.item() == 0.0  # an outcome equal to the threshold is a negative
     loss, pairs = trajectory_dpo_loss([T([-50.0]), T([50.0])], [1.0, 0.0], [0, 0])
     assert pairs == 1 and math.isfinite(loss.item())
     close(loss, 100.0)
@@ -236,3 +236,34 @@ def test_empty_sets_and_bad_names():
                  lambda: trajectory_dpo_loss([], [], [], traj_agg="median")):
         with pytest.raises(ValueError):
             call()
+
+
+def summarized(won, step_rewards, well_formed, group):
+    return {"won": won, "group": group, "step_rewards": step_rewards,
+            "steps": [{"well_formed": w} for w in well_formed]}
+
+
+def test_compute_advantages_scales_outcomes_and_penalises_after_normalisation():
+    """Worked by hand. One group, RLOO, --success-reward 10, alpha 1, max-abs rescaling, penalty
+    0.01. Outcomes (10, 0): A^E = (10, -10). Step rewards (0.02, -0.04 | 0.01) / (0.04 + 1e-6)
+    = (0.499988, -0.999975 | 0.249994); leave-one-out, each minus the mean of the other two:
+    0.499988 + 0.374991 = 0.874978, -0.999975 - 0.374991 = -1.374966, 0.249994 - 0.249994 =
+    0.499988 (the other two average -0.249994). A = (10.874978, 8.625034 | -9.500012), then the
+    malformed second reply of trajectory 1 loses 0.01: 8.615034."""
+    batch = [summarized(True, [0.02, -0.04], [True, False], 0),
+             summarized(False, [0.01], [True], 0)]
+    advs = compute_advantages(Args(), batch)
+    close(advs[0], (10.874978, 8.615034))
+    close(advs[1], (-9.500012,))
+    # the baseline: the episode term alone, the same penalty; the step rewards are not read
+    rloo = compute_advantages(Args(advantage="rloo"), batch)
+    close(rloo[0], (10.0, 9.99))
+    close(rloo[1], (-10.0,))
+    grpo = compute_advantages(Args(advantage="grpo", success_reward=1.0), batch)
+    close(grpo[0], (0.707106, 0.697106))
+    # alpha 0 on iStar gives its --estimator baseline
+    no_steps = compute_advantages(Args(step_weight=0.0, estimator="grpo", success_reward=1.0),
+                                  batch)
+    for a, b in zip(no_steps, grpo):
+        close(a, b.tolist())
+    assert batch[0]["step_rewards"] == [0.02, -0.04]  # the raw rewards the DPO step reads
