@@ -128,3 +128,12 @@ def test_bad_input_is_a_clear_error(argv, message, tmp_path):
     result = run([*argv, "--run-dir", str(tmp_path / "runs")], tmp_path, expect=2)
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_istar_on_grpo_with_the_literal_eq2_and_no_rescaling(tmp_path):
+    out = run(["--iterations", "2", "--estimator", "grpo", "--traj-agg", "sum",
+               "--step-reward-scale", "none", "--no-use-std", "--run-dir", str(tmp_path),
+               *SMALL], tmp_path)
+    assert "rl 2/2" in out.stdout
+    (run_path,) = glob.glob(str(tmp_path / "istar__household__istar-grpo__1__*"))
+    assert scalars(run_path).Scalars("prm/step_reward_abs_max")[1].value > 0
