@@ -1038,7 +1038,8 @@ def process_share(n: int, index: int, count: int) -> range:
 def summarize(traj: dict) -> dict:
     """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
     steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
-    kept = ("task_type", "group", "won", "rewards", "step_rewards")  # no step_rewards in eval
+    # step_rewards: iStar's training rollouts only (not the baselines', not evaluation's)
+    kept = ("task_type", "group", "won", "rewards", "step_rewards")
     return {**{k: traj[k] for k in kept if k in traj}, "steps": steps}
 
 
@@ -1430,11 +1431,10 @@ def main(args: Args) -> dict:
                                        args.rollout_temperature)
             seconds["prm_logprobs"] = time.perf_counter() - start
             step_rewards = step_rewards_per_trajectory(trajs, prm_logp, old_logp, args.beta)
-        else:  # the baselines: the update uses the log-probs recorded at sampling
+            for tr, rewards in zip(trajs, step_rewards, strict=True):
+                tr["step_rewards"] = rewards
+        else:  # the baselines: no step rewards; the log-probs recorded at sampling are the old
             old_logp = [s["logprobs"] for tr in trajs for s in tr["steps"]]
-            step_rewards = [[0.0] * len(tr["steps"]) for tr in trajs]
-        for tr, rewards in zip(trajs, step_rewards, strict=True):
-            tr["step_rewards"] = rewards
         # (6, 7) advantages, one scalar per step, computed over the whole batch (the step rewards
         # rescaled by the batch's max |r|); each process keeps those of its trajectories.
         start = time.perf_counter()
