@@ -1,0 +1,2131 @@
+"""HISR: Hindsight-modulated Segmental process Rewards (Lu et al., 2026), single-file reference.
+
+HISR builds on SPA (spa.py): the behavior-cloned policy plays the training tasks, reward models
+are trained on what it collected and frozen, then PPO with a critic and GAE optimises a dense
+reward. Two things differ from SPA:
+  * segments instead of turns: a trajectory is cut into sub-goal segments, and a segmental
+    process reward model (SPRM: a copy of the start policy and an MLP head, Eq. 2) scores each
+    segment at its last token, trained so that a trajectory's segment scores sum to its outcome
+    (Eq. 3);
+  * hindsight modulation: a hindsight model (another copy, fine-tuned to fill in one hidden reply
+    of a finished trajectory that shows everything after it and the outcome, Eq. 4) scores each
+    reply; its likelihood over the rollout policy's, per token and to the power 1/beta, is the
+    action's importance z (Eqs. 5-6), summed per segment. The segment rewards times the
+    importances, L1-normalised (Eq. 7), land on each segment's last turn, and the turn reward is
+    (1 - alpha) * that + alpha * g_t, g_t = 1 when the action was admissible (Eq. 8). The outcome
+    enters only through the two reward models.
+
+Where this script chooses, or departs from the paper (no code was released; spec: `Choice:`):
+  * Segmentation by environment events instead of GPT-4o: a turn whose feedback is a milestone
+    (You pick up / move / put / clean / heat / cool / turn on) or the first sighting of the goal's
+    object ends a segment; `--segmenter turns` (the "w/o SPR" ablation) or `whole`.
+  * Collection filter: a trajectory with a malformed reply, or with an action that gets the same
+    feedback three turns in a row (a loop), is dropped. A tenth of the collected tasks
+    (--aux-heldout) is held out to report the SPRM's fit beside a constant predictor's and the
+    hindsight model's NLL beside the start policy's.
+  * SPRM: head W2 SiLU(W1 h), W1 H x H and W2 H x 1 without biases, W2 zero at the start, on the
+    final-norm hidden state at the token closing the segment's last reply; Eq. 3 averaged over a
+    batch. Hindsight model: Eq. 4 as the token mean of a batch. Both are full copies of the start
+    policy, every weight trained (the paper's; --no-aux-full-params: a LoRA adapter on each copy).
+  * Their inputs: one chat of the whole episode ([task and first observation], reply, "Observation:
+    ...", ...), not the step prompts. The cloze input shows every turn with reply k replaced by
+    "?", every observation (the last one too), then the outcome; its target is the exact reply
+    token ids the policy sampled. The fixed texts use words the tiny model's vocabulary knows.
+    Longer than --aux-max-tokens: an SPRM transcript is left out of training (counted) and read in
+    RL from its longest suffix of whole turns that fits (segments ending before it get 0); a
+    cloze input drops the turns farthest from k, alternately after and before it (counted).
+  * Eq. 5's denominator is the rollout policy (PPO's old log-probs, at the rollout temperature);
+    the hindsight model is scored at temperature 1. Eq. 7's norm is L1 (the paper's case studies
+    match it, L2 does not); --him-scale sprm keeps the SPRM's L1 mass instead of 1. A segment's
+    modulated reward lands on its last turn (--him-placement uniform spreads it). g_t is the
+    environment's admissibility flag. "w/o HIM" (--no-use-hindsight) keeps Eq. 7 with z = 1.
+  * Online RL: every iteration rolls out the current policy and scores the new trajectories with
+    the frozen reward models (the paper does not say; its limitations section implies it).
+  * PPO as spa.py's: token-level clipped ratio, every token of a reply gets its step's advantage,
+    advantages whitened over the batch (population variance), returns un-whitened, V after the
+    last step 0; the KL to the reference (adapter disabled) is k1 summed over a reply's tokens
+    and subtracted from its reward at a fixed 0.01 (the paper's coefficient, how it is applied is
+    not said). The critic is spa.py's: a zero-initialised Linear(H, 1) value head on the policy's
+    final hidden state at the last prompt token, backbone and LoRA shared, with its own learning
+    rate and a clipped value loss (the spec's separate critic adapter is not built: sharing keeps
+    the update section identical to spa.py's, so that the two differ only in their rewards).
+  * The batch and the tiny presets are the harness's (--tasks-per-iteration x --group-size
+    rollouts; one PPO epoch of 256-step mini-batches with the tiny model) so that every method
+    is compared on the same budget; the real preset takes the paper's 40-step limit, full history,
+    4 epochs of 64-step mini-batches and the paper's learning rates.
+  * Prompts, rollouts, evaluation and behavior cloning are this project's harness (the same as
+    proxmo.py); evaluation samples at temperature 0.4 like every script here (the paper decodes
+    greedily: --eval-temperature 0). With `--model tiny` the shipped start is already the cloned
+    policy: --bc-epochs 0. Real models clone first (--bc-epochs 3, LoRA, merged; the paper
+    fine-tunes every weight).
+  * Not built: micro-batching of SPRM training (a batch of --sprm-batch-size whole transcripts
+    goes through one forward and backward; lower it for a real model and long trajectories).
+
+Run:
+    python hisr.py                          # tiny model, built-in household, CPU, minutes
+    python hisr.py --advantage ppo          # the baseline: PPO on the sparse outcome
+    python hisr.py --no-use-hindsight       # the ablations: w/o HIM, --segmenter turns (w/o
+                                            # SPR), both, --grounding-weight 0 (w/o AGR)
+    python hisr.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the real run
+
+Sections: 1 arguments, 2 prompts and parsing, 3 HISR rewards and advantages, 4 segments and the
+reward models, 5 policy and value loss, 6 rollouts, 7 behavior cloning, 8 evaluation, 9 training
+loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import re
+import shlex
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Literal
+
+import numpy as np
+
+# Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
+# longer on 2 idle cores, half as long next to one busy process (README, "The default run"). An
+# OMP_WAIT_POLICY of your own wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast, broadcast_object_list, gather_object, reduce
+from torch import Tensor
+
+import envs
+from common import UsageError
+from common.envbatch import EnvBatch
+from common.generation import hf_generate, make_vllm_engine, vllm_generate
+from common.model import (add_lora, eos_token_ids, load_lora, load_model_and_tokenizer, merge_lora,
+                          pad_prompt_response, resolve_model_name, response_logprobs)
+from common.progress import Progress
+
+
+# ---- 1. Arguments -------------------------------------------------------------------------------
+@dataclass
+class Args:
+    """HISR (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
+
+    Defaults marked [preset: tiny X | real Y] depend on --model: a value that trains in minutes
+    on 2 CPU cores with `--model tiny` (or tiny-scratch), the paper's (or the authors' code's)
+    value with a real model. --help shows the defaults of the --model it is given. The resolved
+    values are printed. For data parallel, launch it with accelerate (README, "More than one
+    device")."""
+
+    exp_name: str = "hisr"
+    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
+    seed: int = 1
+    """seeds python, numpy and torch (task sampling, LoRA init, rollout sampling); evaluations
+    draw from their own generator seeded with it"""
+    env: Literal["household", "alfworld"] = "household"
+    """household (built in, no download) or alfworld (needs $ALFWORLD_DATA)"""
+    model: str = "tiny"
+    """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct), tiny (the shipped
+    household start, assets/tiny-household) or tiny-scratch (random weights; BC first)"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout generation: transformers generate (KV cache) or vLLM with the LoRA adapter (GPU)"""
+    device: str = "cpu"
+    """torch device [preset: cuda when available, else cpu]"""
+    track: bool = False
+    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
+    wandb_project: str = "llm-agent-credit-assignment"
+    """Weights & Biases project of --track"""
+    run_dir: str = "runs"
+    """where run directories are created"""
+    resume: str | None = None
+    """a run directory (runs/NAME) to continue from its last checkpoint, with its saved
+    configuration; only --iterations and --device may differ from it"""
+
+    # Reward: the method and the baseline it is compared against.
+    advantage: Literal["hisr", "ppo"] = "hisr"
+    """hisr: GAE over the fused reward (1 - alpha) * modulated segment reward + alpha * g_t
+    (Eqs. 5-8); ppo: GAE over the sparse outcome (1 at the last step of a success), no reward
+    models (the paper's PPO)"""
+    segmenter: Literal["events", "turns", "whole"] = "events"
+    """how a trajectory is cut into segments: events (a pick-up, move, put, clean, heat, cool,
+    lamp-on or the first sighting of the goal object ends one), turns (one per turn: the "w/o
+    SPR" ablation) or whole (one per trajectory)"""
+    use_hindsight: bool = True
+    """modulate the segment rewards by the hindsight importance (Eqs. 5-7); off = the "w/o HIM"
+    ablation (Eq. 7's normalisation stays)"""
+    importance_beta: float = 0.3
+    """beta of Eq. 6: the action importance is the mean token log-ratio over beta, exponentiated"""
+    grounding_weight: float = 0.3
+    """alpha of Eq. 8, weight of the grounding flag; 0 = the "w/o AGR" ablation"""
+    him_placement: Literal["end", "uniform"] = "end"
+    """where a segment's modulated reward lands: its last turn, or spread evenly over its turns"""
+    him_scale: Literal["unit", "sprm"] = "unit"
+    """unit: Eq. 7 as written (L1 mass 1 per trajectory); sprm: times the SPRM's L1 mass"""
+    gamma: float = 0.99
+    """discount of GAE"""
+    gae_lambda: float = 0.95
+    """lambda of GAE"""
+    normalize_advantages: bool = True
+    """whiten the step advantages over the batch (population variance)"""
+    kl_coef: float = 0.01
+    """weight of the KL to the reference (the adapter disabled), sum over a step's tokens of
+    log pi_old - log pi_ref, subtracted from the step's reward; 0 skips the reference pass"""
+    vf_coef: float = 0.1
+    """weight of the value loss beside the policy loss"""
+    value_clip: float = 0.2
+    """the value prediction may move at most this far from the rollout's value (clipped loss)"""
+    value_learning_rate: float = 5e-3
+    """AdamW learning rate of the value head (the shared LoRA weights use --learning-rate)
+    [preset: tiny 5e-3 | real 1e-4 (the paper's critic rate)]"""
+
+    # Collection and the reward models (Eqs. 2-4)
+    collect_num_tasks: int = 48
+    """training tasks the start policy plays to collect D_ct; 0 = every training task
+    [preset: tiny 48 | real 400]"""
+    collect_rollouts: int = 4
+    """N, rollouts per collected task [preset: tiny 4 | real 10 (the paper's)]"""
+    collect_temperature: float = 0.7
+    """sampling temperature of the collection rollouts (the paper's)"""
+    reward_models: str | None = None
+    """directory of trained reward models (a run's reward_models/): skips collection and their
+    training"""
+    aux_full_params: bool = True
+    """the SPRM and the hindsight model train every weight of their copies of the start policy
+    (the paper's); off: a LoRA adapter on each copy (fewer optimizer states, same weights)"""
+    sprm_epochs: int = 3
+    """epochs of SPRM training [preset: tiny 3 | real 1 (the paper's)]"""
+    sprm_learning_rate: float = 1e-3
+    """AdamW learning rate of the SPRM and its head [preset: tiny 1e-3 | real 2e-6 (paper)]"""
+    sprm_batch_size: int = 16
+    """trajectories per SPRM update (the paper's)"""
+    hindsight_epochs: int = 1
+    """epochs of hindsight-model training (the paper's)"""
+    hindsight_learning_rate: float = 1e-3
+    """AdamW learning rate of the hindsight model [preset: tiny 1e-3 | real 1e-6 (paper)]"""
+    hindsight_batch_size: int = 16
+    """masked replies per hindsight update (micro-batches of --micro-batch-size)
+    [preset: tiny 16 | real 192 (the paper's)]"""
+    aux_max_tokens: int = 2048
+    """longest transcript or cloze input the reward models read [preset: tiny 2048 (the tiny
+    model's positions) | real 8192]"""
+    aux_heldout: float = 0.1
+    """share of the collected tasks held out to report the reward models' fit (not trained on)"""
+
+    # RL
+    iterations: int = 8
+    """training iterations; 0 = behavior cloning, collection, reward-model training and the
+    start evaluation only [preset: tiny 8 | real 100]"""
+    tasks_per_iteration: int = 4
+    """training tasks per iteration, each played --group-size times [preset: tiny 4 | real 16]"""
+    group_size: int = 8
+    """N trajectories per task (HISR needs no groups: the batch shape of every script here)"""
+    max_episode_steps: int = 30
+    """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 40
+    (the paper's)]"""
+    learning_rate: float = 5e-4
+    """AdamW learning rate of the LoRA weights [preset: tiny 5e-4 | real 1e-5 (the paper's)]"""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the RL update"""
+    clip_eps: float = 0.2
+    """PPO clip range epsilon of the ratio (Eq. 9)"""
+    clip_ratio_c: float | None = None
+    """dual-clip bound c > 1: for negative advantages the loss is at most -c * A (off by default;
+    veRL's 3.0)"""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus"""
+    ppo_epochs: int = 1
+    """passes over an iteration's step samples [preset: tiny 1 | real 4]"""
+    minibatch_size: int = 256
+    """step samples per optimizer step"""
+    micro_batch_size: int = 16
+    """step samples per forward pass [preset: tiny 16 (faster on CPU than 64) | real 8]"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip of every optimizer step"""
+    rollout_temperature: float = 1.0
+    """sampling temperature of training rollouts; PPO scores responses under the same tempered
+    policy, softmax(logits / temperature)"""
+    eval_top_p: float = 1.0
+    """nucleus sampling of evaluation (1 = off); training rollouts always sample the full
+    softmax(logits / T) that PPO scores"""
+    max_new_tokens: int = 12
+    """response length limit [preset: tiny 12 | real 512]"""
+    max_prompt_tokens: int = 2048
+    """prompt length limit; longer prompts drop their oldest history pairs first"""
+    history_length: int = 1
+    """past (observation, action) pairs shown in the prompt [preset: tiny 1 | real 40 (the
+    paper's full history)]"""
+    reasoning: bool = False
+    """ask for <think> reasoning before the action [preset: tiny off | real on]"""
+
+    # LoRA
+    lora_r: int = 16
+    """LoRA rank of the RL adapter (and of BC without --bc-full-params, and of the reward models
+    without --aux-full-params) [preset: tiny 16 | real 8 (the paper's)]"""
+    lora_alpha: int = 32
+    """LoRA alpha (the update is scaled by alpha / r) [preset: tiny 32 | real 16]"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names, or all-linear"""
+
+    # Behavior cloning on expert trajectories (HISR's first stage)
+    bc_epochs: int = 0
+    """epochs of BC before collection; 0 skips it [preset: tiny 0 (the shipped model is the
+    cloned policy) | tiny-scratch 3 | real 3 (the paper's SFT)]"""
+    bc_full_params: bool = True
+    """train every weight during BC instead of a LoRA adapter [preset: tiny on (random
+    embeddings are out of LoRA's reach) | real off]"""
+    bc_num_tasks: int = 400
+    """training tasks the expert plays for BC demonstrations"""
+    bc_noise: float = 0.2
+    """share of demonstration steps where a mistake is executed instead of the expert's action
+    (the label stays the expert's), so BC also sees recoveries"""
+    bc_prompt_loss_weight: float = 1.0
+    """weight of the prompt tokens' next-token loss in BC (see bc_loss)
+    [preset: tiny 1 | real 0]"""
+    bc_learning_rate: float = 2e-3
+    """AdamW learning rate of behavior cloning [preset: tiny 2e-3 | real 1e-4]"""
+    bc_batch_size: int = 8
+    """demonstration steps per BC update [preset: tiny 8 | real 16]"""
+
+    # Evaluation
+    eval_splits: tuple[str, ...] = ("test",)
+    """splits to evaluate on, the first is the headline [preset: household test | alfworld
+    valid_unseen valid_seen (unseen is the papers' headline)]"""
+    eval_every: int = 8
+    """iterations between evaluations, besides iteration 0 and the last
+    [preset: tiny 8 | real 5]"""
+    eval_num_tasks: int = 200
+    """first tasks of each split to evaluate; 0 = the whole split [preset: tiny 200 | real 0]"""
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation (0.4 in every script here; HISR's paper decodes
+    greedily: 0)"""
+    save_every: int = 10
+    """iterations between checkpoints (the last iteration is always saved)"""
+
+    # vLLM
+    vllm_gpu_memory_utilization: float = 0.35
+    """share of GPU memory vLLM may take (the rest holds the training model)"""
+
+
+REAL_MODEL_PRESETS = dict(iterations=100, tasks_per_iteration=16, max_episode_steps=40,
+                          learning_rate=1e-5, micro_batch_size=8, max_new_tokens=512,
+                          max_prompt_tokens=4096, history_length=40, reasoning=True, bc_epochs=3,
+                          bc_full_params=False, bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4,
+                          bc_batch_size=16, eval_every=5, eval_num_tasks=0, ppo_epochs=4,
+                          minibatch_size=64, lora_r=8, lora_alpha=16, collect_num_tasks=400,
+                          collect_rollouts=10, sprm_epochs=1, sprm_learning_rate=2e-6,
+                          hindsight_learning_rate=1e-6, hindsight_batch_size=192,
+                          aux_max_tokens=8192, value_learning_rate=1e-4)
+TINY_SCRATCH_PRESETS = dict(bc_epochs=3)
+
+
+def preset_args(model: str = "tiny", env: str = "household") -> Args:
+    """The defaults for `model` and `env`: the dataclass's (tiny presets), with
+    TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top."""
+    args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
+                device="cuda" if torch.cuda.is_available() else "cpu")
+    if model == "tiny-scratch":
+        return replace(args, **TINY_SCRATCH_PRESETS)
+    return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)
+
+
+def validate_args(args: Args) -> list[str]:
+    """One line per nonsensical value; [] when all are usable."""
+    a = args
+    floats = [f.name for f in fields(Args) if isinstance(getattr(a, f.name), float)]
+    rules = [(math.isfinite(getattr(a, name)), f"--{name.replace('_', '-')} must be finite")
+             for name in floats]
+    rules += [
+        (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
+        (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
+         f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
+        (a.iterations >= 0, "--iterations must be >= 0"),
+        (a.model not in ("tiny", "tiny-scratch") or a.env == "household",
+         f"--model {a.model} knows only the household's words; for --env {a.env} pass a real "
+         "model, e.g. --model Qwen2.5-1.5B-Instruct"),
+        (a.tasks_per_iteration >= 1, "--tasks-per-iteration must be >= 1"),
+        (a.group_size >= 1, "--group-size must be >= 1"),
+        (a.max_episode_steps >= 1, "--max-episode-steps must be >= 1"),
+        (a.learning_rate > 0, "--learning-rate must be > 0"),
+        (a.weight_decay >= 0, "--weight-decay must be >= 0"),
+        (0 < a.clip_eps < 1, "--clip-eps must be in (0, 1)"),
+        (a.clip_ratio_c is None or a.clip_ratio_c > 1, "--clip-ratio-c must be > 1"),
+        (a.entropy_coef >= 0, "--entropy-coef must be >= 0"),
+        (a.ppo_epochs >= 1, "--ppo-epochs must be >= 1"),
+        (a.minibatch_size >= 1, "--minibatch-size must be >= 1"),
+        (a.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
+        (a.max_grad_norm > 0, "--max-grad-norm must be > 0"),
+        (a.rollout_temperature > 0,
+         "--rollout-temperature must be > 0: the N trajectories of a group must be sampled"),
+        (0 < a.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
+        (a.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (a.max_prompt_tokens >= 1, "--max-prompt-tokens must be >= 1"),
+        (a.history_length >= 0, "--history-length must be >= 0"),
+        (a.importance_beta > 0, "--importance-beta must be > 0"),
+        (0 <= a.grounding_weight <= 1, "--grounding-weight must be in [0, 1] (Eq. 8 mixes "
+         "(1 - alpha) and alpha)"),
+        (0 < a.gamma <= 1, "--gamma must be in (0, 1]"),
+        (0 <= a.gae_lambda <= 1, "--gae-lambda must be in [0, 1]"),
+        (a.kl_coef >= 0, "--kl-coef must be >= 0"),
+        (a.vf_coef >= 0, "--vf-coef must be >= 0"),
+        (a.value_clip > 0, "--value-clip must be > 0"),
+        (a.value_learning_rate > 0, "--value-learning-rate must be > 0"),
+        (a.collect_num_tasks >= 0, "--collect-num-tasks must be >= 0 (0 = every training task)"),
+        (a.collect_rollouts >= 1, "--collect-rollouts must be >= 1"),
+        (a.collect_temperature > 0, "--collect-temperature must be > 0"),
+        (a.reward_models is None or os.path.isdir(a.reward_models),
+         f"--reward-models {a.reward_models}: no such directory"),
+        (a.reward_models is None or a.advantage == "hisr",
+         "--reward-models is read by --advantage hisr only"),
+        (a.sprm_epochs >= 1, "--sprm-epochs must be >= 1"),
+        (a.sprm_learning_rate > 0, "--sprm-learning-rate must be > 0"),
+        (a.sprm_batch_size >= 1, "--sprm-batch-size must be >= 1"),
+        (a.hindsight_epochs >= 1, "--hindsight-epochs must be >= 1"),
+        (a.hindsight_learning_rate > 0, "--hindsight-learning-rate must be > 0"),
+        (a.hindsight_batch_size >= 1, "--hindsight-batch-size must be >= 1"),
+        (a.aux_max_tokens >= 64, "--aux-max-tokens must be >= 64"),
+        (0 <= a.aux_heldout < 1, "--aux-heldout must be in [0, 1)"),
+        (a.lora_r >= 1, "--lora-r must be >= 1"),
+        (a.lora_alpha > 0, "--lora-alpha must be > 0"),
+        (0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
+        (a.bc_epochs >= 0, "--bc-epochs must be >= 0"),
+        (a.bc_num_tasks >= 1, "--bc-num-tasks must be >= 1"),
+        (0 <= a.bc_noise <= 1, "--bc-noise must be in [0, 1]"),
+        (a.bc_prompt_loss_weight >= 0, "--bc-prompt-loss-weight must be >= 0"),
+        (a.bc_learning_rate > 0, "--bc-learning-rate must be > 0"),
+        (a.bc_batch_size >= 1, "--bc-batch-size must be >= 1"),
+        (len(a.eval_splits) >= 1, "--eval-splits needs at least one split"),
+        (all(s in envs.SPLITS[a.env] for s in a.eval_splits),
+         f"--eval-splits must be among {', '.join(envs.SPLITS[a.env])} for --env {a.env}"),
+        (a.eval_every >= 1, "--eval-every must be >= 1"),
+        (a.eval_num_tasks >= 0, "--eval-num-tasks must be >= 0 (0 = the whole split)"),
+        (a.eval_temperature >= 0, "--eval-temperature must be >= 0 (0 = greedy)"),
+        (a.save_every >= 1, "--save-every must be >= 1"),
+        (0 < a.vllm_gpu_memory_utilization <= 1,
+         "--vllm-gpu-memory-utilization must be in (0, 1]"),
+        (a.backend == "hf" or a.device.startswith("cuda"),
+         "--backend vllm needs a CUDA GPU; use --backend hf on CPU"),
+    ]
+    return [message for ok, message in rules if not ok]
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Command line -> Args. Defaults are the presets of the --model and --env given; with
+    --resume, the run's saved configuration, which flags on the command line may not contradict
+    (only --iterations may change, with a printed note)."""
+    import argparse
+
+    import tyro
+
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--model", default="tiny")
+    peek.add_argument("--env", default="household")
+    peek.add_argument("--resume", default=None)
+    known, _ = peek.parse_known_args(argv)
+    if known.resume is None:
+        env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
+        return tyro.cli(Args, args=argv, default=preset_args(known.model, env))
+    config_file = os.path.join(known.resume, "config.json")
+    if not os.path.isdir(known.resume):
+        raise UsageError(f"--resume {known.resume}: no such run directory")
+    if not os.path.isfile(config_file):
+        raise UsageError(f"--resume {known.resume}: no config.json in it (not a run directory of "
+                         "this script?)")
+    with open(config_file) as f:
+        saved = json.load(f)["args"]
+    unknown = sorted(set(saved) - {f.name for f in fields(Args)})
+    if unknown:
+        raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
+                         f"the script does not know: {', '.join(unknown)}")
+    defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household")))
+    merged = {**defaults, **saved}
+    saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
+    args = tyro.cli(Args, args=argv, default=saved)
+    overridable = ("iterations", "device")
+    changed = [f.name for f in fields(Args) if f.name not in ("resume", *overridable)
+               and getattr(args, f.name) != getattr(saved, f.name)]
+    if changed:
+        contradictions = [f"--{n.replace('_', '-')} {getattr(args, n)} "
+                          f"(saved: {getattr(saved, n)})" for n in changed]
+        raise UsageError("--resume continues the saved configuration; these flags contradict it: "
+                         + ", ".join(contradictions))
+    for name in overridable:
+        given, before = getattr(args, name), getattr(saved, name)
+        if given != before:
+            print(f"note: --{name} {given} overrides the saved {before}")
+    return args
+
+
+# ---- 2. Prompts and action parsing --------------------------------------------------------------
+PROMPT_INTRO = "You are an agent in a household. Your task is to: {task}"
+PROMPT_HISTORY = "You have taken {steps} step(s). Your last {k} observation(s) and action(s):"
+PROMPT_NOW = "Step {step}. Current observation: {obs}\nAdmissible actions: {actions}"
+ASK_REASONING = ("First think step by step inside <think> </think>, then give exactly one "
+                 "admissible action inside <action> </action>.")
+ASK_ACTION = "Reply with exactly one admissible action inside <action> </action>."
+PROMPT_WORDS = re.findall(r"[a-z]+", " ".join([PROMPT_INTRO, PROMPT_HISTORY, PROMPT_NOW,
+                                               ASK_REASONING, ASK_ACTION,
+                                               "observation action"]).lower())
+
+
+def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible: list[str],
+                 step: int, history_length: int, reasoning: bool) -> str:
+    """The user message at one step: task, last `history_length` (obs, action) pairs, current
+    observation and admissible actions (the GiGPO/ProxMO ALFWorld template, in our own words)."""
+    lines = [PROMPT_INTRO.format(task=task)]
+    recent = history[-history_length:] if history_length > 0 else []
+    if recent:
+        lines.append(PROMPT_HISTORY.format(steps=len(history), k=len(recent)))
+        first = len(history) - len(recent) + 1
+        for k, (past_obs, past_action) in enumerate(recent):
+            lines.append(f"[observation {first + k}] {past_obs} "
+                         f"[action {first + k}] {past_action}")
+    lines.append(PROMPT_NOW.format(step=step, obs=obs, actions=", ".join(admissible)))
+    lines.append(ASK_REASONING if reasoning else ASK_ACTION)
+    return "\n".join(lines)
+
+
+_warned_history_cut = False
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of `text` as the user turn of a chat, followed by the assistant's header."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer(chat, add_special_tokens=False).input_ids
+
+
+def encode_prompt(args: Args, tokenizer, task: str, history: list[tuple[str, str]], obs: str,
+                  admissible: list[str], step: int) -> list[int]:
+    """Prompt ids of one step, at most --max-prompt-tokens long. A prompt that is too long drops
+    its oldest history pairs first (with a warning, once); the chat header, the task, the current
+    observation and the admissible actions are never cut. Without any history still too long: a
+    UsageError naming the sizes and the flags to change."""
+    global _warned_history_cut
+    shown = min(args.history_length, len(history))
+    for k in range(shown, -1, -1):
+        text = build_prompt(task, history, obs, admissible, step, k, args.reasoning)
+        ids = chat_ids(tokenizer, text)
+        if len(ids) <= args.max_prompt_tokens:
+            if k < shown and not _warned_history_cut:
+                _warned_history_cut = True
+                print(f"warning: a prompt with {shown} history pair(s) exceeded "
+                      f"--max-prompt-tokens {args.max_prompt_tokens}; it keeps only the last {k} "
+                      "(raise --max-prompt-tokens or lower --history-length)", file=sys.stderr)
+            return ids
+    raise UsageError(f"a prompt of {len(ids)} tokens without any history (task, observation and "
+                     f"{len(admissible)} admissible actions) exceeds --max-prompt-tokens "
+                     f"{args.max_prompt_tokens}; raise --max-prompt-tokens")
+
+
+ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
+
+
+def parse_action(response: str) -> str | None:
+    """The lowercased text of the last <action>...</action>, or None when there is none."""
+    found = ACTION_RE.findall(response)
+    if not found:
+        return None
+    action = " ".join(found[-1].strip().strip('"').lower().split())
+    return action or None
+
+
+THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+CHINESE_RE = re.compile(r"[\u4e00-\u9fff]")
+
+
+def is_well_formed(response: str, reasoning: bool) -> bool:
+    """The spec's (and verl-agent's) validity flag of a reply: an <action>...</action>, with
+    `reasoning` also a <think>...</think>, and no Chinese characters. Whether the action is
+    admissible is the environment's business (grounding), not this flag's."""
+    if parse_action(response) is None or CHINESE_RE.search(response):
+        return False
+    return not reasoning or THINK_RE.search(response) is not None
+
+
+# ---- 3. HISR rewards and advantages (pure functions: float64 tensors in, no grad) --------------
+MILESTONE_RE = re.compile(r"\s*you (pick up|move|put|clean|heat|cool|turn on)\b", re.IGNORECASE)
+# The six goal templates (ALFWorld's, which the household copies): the word after these is the
+# object the task is about.
+GOAL_OBJECT_RE = re.compile(r"(?:put (?:a|an|some|two) (?:(?:clean|hot|cool) )?"
+                            r"|(?:clean|heat|cool) some |find two |look at |examine the )(\w+)",
+                            re.IGNORECASE)
+
+
+def goal_object(goal: str) -> str | None:
+    """The lower-cased object word of a goal sentence, None if no template matches:
+    "put a hot egg in garbagecan." -> "egg"; "examine the vase with the desklamp." -> "vase"."""
+    found = GOAL_OBJECT_RE.search(goal)
+    return found.group(1).lower() if found else None
+
+
+def segment_ids_from_events(feedback: list[str], target: str | None = None) -> Tensor:
+    """(m,) int64 segment id per turn, from the environment's events (the paper's GPT-4o
+    segmentation replaced by a rule). feedback[k] = the observation action k got. Turn k < m - 1
+    ends a segment when feedback[k] is a milestone (MILESTONE_RE: pick up, move, put, clean,
+    heat, cool, turn on) or, with a target, is the first feedback naming "<target> <number>"; the
+    last turn closes the last segment. [] -> empty."""
+    sighting = re.compile(rf"\b{re.escape(target)} \d+", re.IGNORECASE) if target else None
+    ids, current, seen = [], 0, False
+    for k, text in enumerate(feedback):
+        ids.append(current)
+        event = MILESTONE_RE.match(text) is not None
+        if sighting is not None and not seen and sighting.search(text):
+            seen, event = True, True
+        if event and k < len(feedback) - 1:
+            current += 1
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def segment_ends(seg_ids: Tensor) -> Tensor:
+    """(m,) segment ids -> (n,) index of each segment's last turn: [0,0,1,2,2] -> [1,2,4]."""
+    if seg_ids.numel() == 0:
+        return seg_ids.new_zeros(0)
+    last = torch.ones_like(seg_ids, dtype=torch.bool)
+    last[:-1] = seg_ids[1:] != seg_ids[:-1]
+    return torch.nonzero(last).squeeze(-1)
+
+
+def check_segment_ids(seg_ids: Tensor) -> int:
+    """n, the number of segments; ValueError unless the ids are 0..n-1, non-decreasing by steps
+    of 0 or 1."""
+    if seg_ids.numel() == 0:
+        return 0
+    steps = seg_ids[1:] - seg_ids[:-1]
+    if seg_ids[0] != 0 or not bool(((steps == 0) | (steps == 1)).all()):
+        raise ValueError(f"segment ids must be contiguous from 0, got {seg_ids.tolist()}")
+    return int(seg_ids[-1]) + 1
+
+
+class SegmentRewardHead(torch.nn.Module):
+    """Eq. 2: r_i = W2 SiLU(W1 h_i), W1: H -> H and W2: H -> 1, no biases, float32. W2 starts at
+    zero, so a new head predicts 0 for every segment."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.w1 = torch.nn.Linear(hidden_size, hidden_size, bias=False)
+        self.w2 = torch.nn.Linear(hidden_size, 1, bias=False)
+        torch.nn.init.zeros_(self.w2.weight)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(..., H) -> (...)"""
+        return self.w2(torch.nn.functional.silu(self.w1(hidden.float()))).squeeze(-1)
+
+
+def sprm_loss(seg_scores: list[Tensor], outcomes: Tensor) -> Tensor:
+    """Eq. 3, mean over the batch: mean_i (R_i - sum of trajectory i's segment scores)^2.
+    seg_scores[i]: (n_i,); outcomes: (B,). A scalar with the gradient of the scores; ValueError
+    for a trajectory without segments or a length mismatch."""
+    if len(seg_scores) != len(outcomes):
+        raise ValueError(f"{len(seg_scores)} trajectories but {len(outcomes)} outcomes")
+    if any(s.numel() == 0 for s in seg_scores):
+        raise ValueError("a trajectory without segments has no scores to sum")
+    predicted = torch.stack([s.sum() for s in seg_scores])
+    return ((outcomes.to(predicted) - predicted) ** 2).mean()
+
+
+def hindsight_loss(logp: Tensor, mask: Tensor) -> Tensor:
+    """Eq. 4 reduced as SFT: -(logp * mask).sum() / mask.sum() over a batch's target tokens,
+    logp and mask (B, L)."""
+    return -(logp * mask).sum() / mask.sum().clamp(min=1)
+
+
+def action_log_importance(hind_logp: Tensor, policy_logp: Tensor, mask: Tensor,
+                          beta: float = 0.3) -> Tensor:
+    """Eqs. 5-6 in log space, (m, L) x 3 -> (m,): l_k = sum_j mask * (hind - policy) /
+    (beta * sum_j mask), the mean token log-ratio over beta; 0 for an empty mask row. Values
+    outside the mask never enter."""
+    if not hind_logp.shape == policy_logp.shape == mask.shape:
+        raise ValueError(f"shapes differ: {tuple(hind_logp.shape)}, {tuple(policy_logp.shape)}, "
+                         f"{tuple(mask.shape)}")
+    real = mask.bool()
+    diff = torch.where(real, hind_logp.double() - policy_logp.double(), 0.0)
+    counts = real.sum(-1).double()
+    return torch.where(counts > 0, diff.sum(-1) / (beta * counts.clamp(min=1)), 0.0)
+
+
+def action_importance(hind_logp: Tensor, policy_logp: Tensor, mask: Tensor,
+                      beta: float = 0.3) -> Tensor:
+    """Eq. 6: z(a_k) = exp(l_k), (m,)."""
+    return action_log_importance(hind_logp, policy_logp, mask, beta).exp()
+
+
+def segment_importance(log_z: Tensor, seg_ids: Tensor, normalize: bool = True) -> Tensor:
+    """(m,), (m,) -> (n,): z(s_i) = sum over the segment's turns of z(a_k) = exp(l_k). With
+    normalize, divided by the trajectory's total, computed with the max shift (no overflow for
+    any l); without, the raw sums (may overflow)."""
+    if log_z.shape != seg_ids.shape:
+        raise ValueError(f"{log_z.numel()} importances but {seg_ids.numel()} segment ids")
+    n = check_segment_ids(seg_ids)
+    log_z = log_z.double()
+    shift = log_z.max() if normalize and n else 0.0
+    sums = torch.zeros(n, dtype=torch.float64).index_add_(0, seg_ids, (log_z - shift).exp())
+    return sums / sums.sum() if normalize else sums
+
+
+def modulate_segment_rewards(seg_rewards: Tensor, seg_importance: Tensor, scale: str = "unit",
+                             eps: float = 1e-12) -> Tensor:
+    """Eq. 7 with the L1 norm, (n,), (n,) -> (n,): x = r * z, d = sum |x|; zeros when d <= eps;
+    "unit": x / d (the paper's; L1 mass 1 whatever the outcome); "sprm": x / d * sum |r| (keeps
+    the SPRM's L1 mass; equal to "unit" when the r are >= 0 and sum to 1)."""
+    if seg_rewards.shape != seg_importance.shape:
+        raise ValueError(f"{seg_rewards.numel()} segment rewards but {seg_importance.numel()} "
+                         "importances")
+    if scale not in ("unit", "sprm"):
+        raise ValueError(f"scale must be unit or sprm, got {scale!r}")
+    x = seg_rewards.double() * seg_importance.double()
+    mass = x.abs().sum()
+    if mass <= eps:
+        return torch.zeros_like(x)
+    modulated = x / mass  # Eq. 7
+    return modulated * seg_rewards.double().abs().sum() if scale == "sprm" else modulated
+
+
+def turn_rewards(seg_values: Tensor, seg_ids: Tensor, placement: str = "end") -> Tensor:
+    """(n,), (m,) -> (m,): "end" puts segment i's value on its last turn, 0 on the others;
+    "uniform" gives each of its turns value_i / |s_i|."""
+    n = check_segment_ids(seg_ids)
+    if len(seg_values) != n:
+        raise ValueError(f"{len(seg_values)} segment values but {n} segments")
+    seg_values = seg_values.double()
+    if placement == "end":
+        rewards = torch.zeros(len(seg_ids), dtype=torch.float64)
+        rewards[segment_ends(seg_ids)] = seg_values
+        return rewards
+    if placement == "uniform":
+        sizes = torch.bincount(seg_ids, minlength=n).double()
+        return (seg_values / sizes)[seg_ids]
+    raise ValueError(f"placement must be end or uniform, got {placement!r}")
+
+
+def fused_rewards(him: Tensor, grounded: Tensor, alpha: float = 0.3, step_kl: Tensor | None = None,
+                  kl_coef: float = 0.0) -> Tensor:
+    """Eq. 8 (+ the KL penalty), (m,) -> (m,): r_k = (1 - alpha) him_k + alpha g_k - kl_coef
+    step_kl_k (no KL term when step_kl is None)."""
+    if len(grounded) != len(him) or (step_kl is not None and len(step_kl) != len(him)):
+        raise ValueError(f"{len(him)} turn rewards, {len(grounded)} grounding flags"
+                         + ("" if step_kl is None else f", {len(step_kl)} step KLs"))
+    rewards = (1 - alpha) * him.double() + alpha * grounded.double()  # Eq. 8
+    if step_kl is not None:
+        rewards = rewards - kl_coef * step_kl.double()
+    return rewards
+
+
+def gae(rewards: Tensor, values: Tensor, gamma: float = 0.99, lam: float = 0.95,
+        last_value: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(advantages, returns) of one trajectory, (m,) -> (m,) x 2 (Eq. 9's delta): delta_k = r_k +
+    gamma V_{k+1} - V_k, A_k = delta_k + gamma lam A_{k+1}, V_m = last_value (0 here: success and
+    the step limit both end the episode), G_k = A_k + V_k."""
+    if len(rewards) != len(values):
+        raise ValueError(f"{len(rewards)} rewards but {len(values)} values")
+    rewards, values = rewards.double(), values.double()
+    advantages = torch.zeros_like(rewards)
+    next_value, running = float(last_value), 0.0
+    for k in range(len(rewards) - 1, -1, -1):
+        delta = rewards[k] + gamma * next_value - values[k]
+        running = delta + gamma * lam * running
+        advantages[k] = running
+        next_value = values[k]
+    return advantages, advantages + values
+
+
+def whiten(x: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(population variance + eps); one element -> 0; empty -> empty."""
+    if x.numel() == 0:
+        return x.double()
+    x = x.double()
+    return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + eps)
+
+
+def hisr_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, grounded: Tensor,
+                 alpha: float = 0.3, placement: str = "end", scale: str = "unit",
+                 use_hindsight: bool = True, step_kl: Tensor | None = None,
+                 kl_coef: float = 0.0) -> Tensor:
+    """One trajectory's turn rewards, (m,): segment importances (ones without hindsight: the
+    "w/o HIM" ablation keeps Eq. 7's normalisation), the modulated segment rewards (Eq. 7)
+    placed on turns, fused with grounding (Eq. 8) and the KL penalty."""
+    n = check_segment_ids(seg_ids)
+    if use_hindsight:
+        importance = segment_importance(log_z, seg_ids)
+    else:
+        importance = torch.ones(n, dtype=torch.float64)
+    if len(seg_rewards) != n:
+        raise ValueError(f"{len(seg_rewards)} segment rewards but {n} segments")
+    him = turn_rewards(modulate_segment_rewards(seg_rewards, importance, scale), seg_ids,
+                       placement)
+    return fused_rewards(him, grounded, alpha, step_kl, kl_coef)
+
+
+def hisr_advantages(batch: list[dict], *, beta: float = 0.3, alpha: float = 0.3,
+                    gamma: float = 0.99, lam: float = 0.95, placement: str = "end",
+                    scale: str = "unit", use_hindsight: bool = True, kl_coef: float = 0.01,
+                    normalize: bool = True) -> tuple[list[Tensor], list[Tensor]]:
+    """The whole batch. batch[i] = {"seg_ids" (m,) int64, "seg_rewards" (n,), "hind_logp",
+    "policy_logp", "mask" (m, L) each, "grounded" (m,), "values" (m,), optional "step_kl" (m,)}.
+    Per trajectory: l = action_log_importance (Eqs. 5-6), r = hisr_rewards (Eqs. 7-8; the KL
+    term only when "step_kl" is there), A, G = gae(r, values). With normalize, the advantages are
+    whitened pooled over the batch and split back. Returns (advantages, un-whitened returns), one
+    (m_i,) float64 tensor each, in input order."""
+    advantages, returns = [], []
+    for traj in batch:
+        m = len(traj["seg_ids"])
+        if traj["hind_logp"].shape[0] != m or len(traj["values"]) != m:
+            raise ValueError(f"{m} turns but {traj['hind_logp'].shape[0]} token rows and "
+                             f"{len(traj['values'])} values")
+        log_z = action_log_importance(traj["hind_logp"], traj["policy_logp"], traj["mask"], beta)
+        rewards = hisr_rewards(traj["seg_rewards"], log_z, traj["seg_ids"], traj["grounded"],
+                               alpha, placement, scale, use_hindsight, traj.get("step_kl"),
+                               kl_coef)
+        adv, ret = gae(rewards, torch.as_tensor(traj["values"]), gamma, lam)
+        advantages.append(adv)
+        returns.append(ret)
+    if normalize and advantages:
+        flat = whiten(torch.cat(advantages))
+        advantages = list(flat.split([len(a) for a in advantages]))
+    return advantages, returns
+
+
+def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list]:
+    """(advantages, returns) per step of every trajectory of a batch (summaries with the segment
+    ids and rewards, and per step "old_logprobs", "hind_logprobs", "valid", "value", "step_kl"):
+    HISR's fused reward, or with --advantage ppo GAE over the sparse outcome minus the KL
+    penalty."""
+    if args.advantage == "ppo":
+        advantages, returns = [], []
+        for t in trajectories:
+            step_kl = torch.tensor([s["step_kl"] for s in t["steps"]], dtype=torch.float64)
+            rewards = torch.tensor(t["rewards"], dtype=torch.float64) - args.kl_coef * step_kl
+            adv, ret = gae(rewards, torch.tensor([s["value"] for s in t["steps"]]), args.gamma,
+                           args.gae_lambda)
+            advantages.append(adv)
+            returns.append(ret)
+        if args.normalize_advantages and advantages:
+            flat = whiten(torch.cat(advantages))
+            advantages = list(flat.split([len(a) for a in advantages]))
+        return advantages, returns
+    batch = []
+    for t in trajectories:
+        steps = t["steps"]
+        width = max(len(s["old_logprobs"]) for s in steps)
+        batch.append({
+            "seg_ids": torch.tensor(t["seg_ids"], dtype=torch.int64),
+            "seg_rewards": torch.tensor(t["seg_rewards"], dtype=torch.float64),
+            "hind_logp": pad_rows([s["hind_logprobs"].double() for s in steps], width),
+            "policy_logp": pad_rows([s["old_logprobs"].double() for s in steps], width),
+            "mask": pad_rows([torch.ones(len(s["old_logprobs"])) for s in steps], width),
+            "grounded": torch.tensor([float(s["valid"]) for s in steps]),
+            "values": torch.tensor([s["value"] for s in steps], dtype=torch.float64),
+            "step_kl": torch.tensor([s["step_kl"] for s in steps], dtype=torch.float64)})
+    return hisr_advantages(batch, beta=args.importance_beta, alpha=args.grounding_weight,
+                           gamma=args.gamma, lam=args.gae_lambda, placement=args.him_placement,
+                           scale=args.him_scale, use_hindsight=args.use_hindsight,
+                           kl_coef=args.kl_coef, normalize=args.normalize_advantages)
+
+
+def credit_stats(args: Args, trajectories: list[dict]) -> dict:
+    """What the log shows of the segment credit (the paper's Fig. 4): segments per trajectory,
+    the single-segment share, mean z, the sum of R^_him by outcome, and the mean share of |R^|
+    and |R^_him| on the first, middle and last segments of trajectories with 2+ segments."""
+    shares = defaultdict(list)
+    sums = {True: [], False: []}
+    z_all = []
+    for t in trajectories:
+        seg_ids = torch.tensor(t["seg_ids"], dtype=torch.int64)
+        seg_rewards = torch.tensor(t["seg_rewards"], dtype=torch.float64)
+        steps = t["steps"]
+        log_z = torch.stack([action_log_importance(s["hind_logprobs"][None].double(),
+                                                   s["old_logprobs"][None].double(),
+                                                   torch.ones(1, len(s["old_logprobs"])),
+                                                   args.importance_beta)[0] for s in steps])
+        z_all += log_z.exp().tolist()
+        importance = (segment_importance(log_z, seg_ids) if args.use_hindsight
+                      else torch.ones(len(seg_rewards), dtype=torch.float64))
+        him = modulate_segment_rewards(seg_rewards, importance, args.him_scale)
+        sums[t["won"]].append(him.sum().item())
+        if len(seg_rewards) < 2:
+            continue
+        for name, values in (("sprm", seg_rewards), ("him", him)):
+            mass = values.abs() / values.abs().sum().clamp(min=1e-12)
+            shares[f"{name}_first"].append(mass[0].item())
+            shares[f"{name}_middle"].append(mass[1:-1].sum().item())
+            shares[f"{name}_last"].append(mass[-1].item())
+    counts = [len(t["seg_rewards"]) for t in trajectories]
+    stats = {"credit/segments_per_trajectory": float(np.mean(counts)),
+             "credit/single_segment_share": float(np.mean([c == 1 for c in counts])),
+             "credit/z_mean": float(np.mean(z_all))}
+    stats.update({f"credit/share_{k}": float(np.mean(v)) for k, v in shares.items()})
+    for won, name in ((True, "won"), (False, "lost")):
+        if sums[won]:
+            stats[f"credit/him_sum_{name}"] = float(np.mean(sums[won]))
+    return stats
+
+
+# ---- 4. Segments, the segmental reward model and the hindsight model (Eqs. 2-5) ----------------
+# The fixed texts use only words the shipped tiny model's vocabulary knows (the spec's own wording
+# needs words it lacks, which would read as [UNK]); "?" stands for the hidden reply.
+OBSERVATION = "Observation: {obs}"
+HIDDEN_REPLY = "?"
+HINDSIGHT_ASK = "Your task: {reward:.1f}. Give exactly the reply at ?."
+
+
+def final_hidden_states(model, input_ids: Tensor, attention_mask: Tensor,
+                        position_ids: Tensor | None = None) -> Tensor:
+    """(B, L) -> (B, L, H): the last layer's hidden states after the final norm (what the LM head
+    reads), LoRA included, for a plain or a PEFT causal LM."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = inner.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
+def make_head(hidden_size: int, kind: str, device) -> torch.nn.Module:
+    """Scalar head in float32: Linear(H, 1), or Linear(H, H)-ReLU-Linear(H, 1). The output layer
+    starts at zero, so a new head predicts 0 (a value head's first advantages are then the plain
+    discounted rewards)."""
+    layers = [torch.nn.Linear(hidden_size, hidden_size), torch.nn.ReLU()] if kind == "mlp" else []
+    layers.append(torch.nn.Linear(hidden_size, 1))
+    torch.nn.init.zeros_(layers[-1].weight)
+    torch.nn.init.zeros_(layers[-1].bias)
+    return torch.nn.Sequential(*layers).to(device=device, dtype=torch.float32)
+
+
+def action_end_positions(assistant_mask: list[int]) -> list[int]:
+    """Index of the last 1 in each maximal run of 1s: the token closing each reply.
+    [0,0,1,1,0,0,1,1,1,0] -> [3, 8]; [] and all zeros -> []."""
+    n = len(assistant_mask)
+    return [j for j in range(n) if assistant_mask[j] and (j + 1 == n or not assistant_mask[j + 1])]
+
+
+def trajectory_segments(args: Args, traj: dict) -> list[int]:
+    """Segment id of every turn: --segmenter events (segment_ids_from_events on the feedback each
+    action got, with the goal's object), turns (one per turn: "w/o SPR") or whole (one)."""
+    m = len(traj["steps"])
+    if args.segmenter == "turns":
+        return list(range(m))
+    if args.segmenter == "whole":
+        return [0] * m
+    feedback = [s["next_state"] for s in traj["steps"]]
+    return segment_ids_from_events(feedback, goal_object(traj["task"])).tolist()
+
+
+def first_message(traj: dict) -> dict:
+    return {"role": "user",
+            "content": PROMPT_INTRO.format(task=traj["task"]) + "\n" + traj["steps"][0]["state"]}
+
+
+def transcript_messages(traj: dict, tokenizer, first_turn: int = 0) -> list[dict]:
+    """What the SPRM reads, as a chat: the task and first observation, then every reply (from
+    turn first_turn on) and the observation it got; the trailing observation is dropped."""
+    steps = traj["steps"]
+    messages = [first_message(traj)]
+    for k in range(first_turn, len(steps)):
+        reply = tokenizer.decode(steps[k]["response_ids"], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        if k + 1 < len(steps):
+            messages.append({"role": "user",
+                             "content": OBSERVATION.format(obs=steps[k]["next_state"])})
+    return messages
+
+
+def encode_trajectory(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(token ids of the chat, assistant mask): 1 on each reply's tokens and on the token that
+    closes it (<|im_end|>), the read position of action_end_positions."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [start for start, _ in encoded.offset_mapping]
+    mask = [0] * len(starts)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        head = tokenizer.apply_chat_template(messages[:k], tokenize=False,
+                                             add_generation_prompt=True)
+        begin, end = len(head), len(head) + len(message["content"])
+        if not text.startswith(head) or text[begin:end] != message["content"]:
+            raise UsageError("this tokenizer's chat template rewrites the agent's replies; the "
+                             "segment reward model needs them verbatim")
+        closing = next((j for j, s in enumerate(starts) if s >= end), None)
+        if closing is None:
+            raise UsageError("this tokenizer's chat template does not close the agent's last "
+                             "reply with a token; the segment reward model reads it there")
+        for j in range(len(starts)):
+            if begin <= starts[j] < end or j == closing:
+                mask[j] = 1
+    return encoded.input_ids, mask
+
+
+def encode_transcript(args: Args, tokenizer, traj: dict) -> tuple[list[int], list[int], int]:
+    """(ids, assistant mask, first turn shown) of a trajectory's transcript. Longer than
+    --aux-max-tokens: the first message and the longest suffix of whole turns that fits."""
+    for first_turn in range(len(traj["steps"])):
+        ids, mask = encode_trajectory(tokenizer, transcript_messages(traj, tokenizer, first_turn))
+        if len(ids) <= args.aux_max_tokens:
+            return ids, mask, first_turn
+    ids, mask = encode_trajectory(tokenizer, [first_message(traj)])  # not even the last turn fits
+    return ids[:args.aux_max_tokens], mask[:args.aux_max_tokens], len(traj["steps"])
+
+
+def segment_scores(sprm, head, sequences: list[tuple[list[int], list[int], list[int]]],
+                   pad_id: int) -> list[Tensor]:
+    """r_i = head(h_i) (Eq. 2) for each (ids, assistant mask, turns read): h_i is the final hidden
+    state at the token closing reply `turns read[i]`, the last turn of segment i (causal
+    attention: it sees the trajectory up to there). (n_i,) tensors, with the gradient of the
+    trainable weights when enabled."""
+    device = next(head.parameters()).device
+    width = max(len(ids) for ids, _, _ in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, (ids, _, _) in enumerate(sequences):  # right padding: positions 0.. of every row
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        attention[i, :len(ids)] = 1
+    hidden = final_hidden_states(sprm, input_ids.to(device), attention.to(device))
+    scores = []
+    for i, (_, mask, turns) in enumerate(sequences):
+        ends = action_end_positions(mask)
+        scores.append(head(hidden[i, [ends[k] for k in turns]]))
+    return scores
+
+
+def cloze_messages(traj: dict, replies: list[str], k: int, shown: range) -> list[dict]:
+    """The hindsight model's input for turn k (Eq. 4): the task and first observation, the turns
+    in `shown` with their replies (decoded) and observations (the last one included) and reply k
+    hidden, then the outcome and the request; the generation prompt follows."""
+    steps = traj["steps"]
+    messages = [first_message(traj)]
+    for t in shown:
+        messages.append({"role": "assistant", "content": HIDDEN_REPLY if t == k else replies[t]})
+        observation = OBSERVATION.format(obs=steps[t]["next_state"])
+        messages.append({"role": "user", "content": observation})
+    messages.append({"role": "user", "content": HINDSIGHT_ASK.format(reward=float(traj["won"]))})
+    return messages
+
+
+def encode_cloze(args: Args, tokenizer, traj: dict, replies: list[str],
+                 k: int) -> tuple[list[int], bool]:
+    """(prompt ids, whether turns were dropped) of turn k's cloze input. Too long for
+    --aux-max-tokens with its reply: whole turns farthest from k go first, alternately after and
+    before it."""
+    m, target = len(traj["steps"]), len(traj["steps"][k]["response_ids"])
+    low, high, after = 0, m - 1, True
+    while True:
+        messages = cloze_messages(traj, replies, k, range(low, high + 1))
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) + target <= args.aux_max_tokens or low == high == k:
+            return ids, (low, high) != (0, m - 1)
+        if (after and high > k) or low == k:
+            high -= 1
+        else:
+            low += 1
+        after = not after
+
+
+def collect(args: Args, policy: Policy, tasks: list) -> list[dict]:
+    """D_ct: the start policy plays every task --collect-rollouts times at
+    --collect-temperature, in chunks of one RL batch's size (games in lock-step)."""
+    copies = [t for t in tasks for _ in range(args.collect_rollouts)]
+    groups = [g for g in range(len(tasks)) for _ in range(args.collect_rollouts)]
+    chunk = args.tasks_per_iteration * args.group_size
+    progress = Progress(len(copies), "collect")
+    trajs: list[dict] = []
+    for start in range(0, len(copies), chunk):
+        trajs += rollout(args, policy.tokenizer, policy, copies[start:start + chunk],
+                         groups[start:start + chunk], args.collect_temperature)
+        progress.update(len(copies[start:start + chunk]),
+                        success=float(np.mean([t["won"] for t in trajs])))
+    progress.close()
+    return trajs
+
+
+def keep_for_training(traj: dict, repeats: int = 3) -> bool:
+    """The collection filter: no malformed reply, and no executed action that gets the same
+    feedback `repeats` turns in a row (a loop)."""
+    steps = traj["steps"]
+    if not all(s["well_formed"] for s in steps):
+        return False
+    pairs = [(s["action"], s["next_state"]) for s in steps]
+    return not any(len(set(pairs[k:k + repeats])) == 1
+                   for k in range(len(pairs) - repeats + 1))
+
+
+def split_heldout(trajs: list[dict], share: float, rng: random.Random) -> tuple[list, list]:
+    """(train, held-out) indices; whole tasks are held out, `share` of them."""
+    tasks = sorted({t["group"] for t in trajs})
+    rng.shuffle(tasks)
+    heldout_tasks = set(tasks[:int(len(tasks) * share)])
+    heldout = [i for i, t in enumerate(trajs) if t["group"] in heldout_tasks]
+    return [i for i, t in enumerate(trajs) if t["group"] not in heldout_tasks], heldout
+
+
+def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list[int],
+               heldout: list[int], rng: random.Random) -> dict:
+    """Eq. 3 over the kept collected trajectories, --sprm-epochs epochs of --sprm-batch-size
+    trajectories; the held-out ones report the fit beside a constant predictor's. A transcript
+    longer than --aux-max-tokens is left out (counted). Trains in place, then freezes."""
+    encoded = {}
+    for i in train + heldout:
+        ids, mask, first_turn = encode_transcript(args, tokenizer, trajs[i])
+        if first_turn == 0 and len(ids) <= args.aux_max_tokens:
+            seg_ids = torch.tensor(trajs[i]["seg_ids"])
+            encoded[i] = (ids, mask, segment_ends(seg_ids).tolist())
+    too_long = len(train) + len(heldout) - len(encoded)
+    train = [i for i in train if i in encoded]
+    heldout = [i for i in heldout if i in encoded]
+    if not train:
+        raise UsageError(f"no collected trajectory fits --aux-max-tokens {args.aux_max_tokens}; "
+                         "raise it")
+    outcomes = torch.tensor([float(t["won"]) for t in trajs])
+    params = [p for p in sprm.parameters() if p.requires_grad] + list(head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.sprm_learning_rate, weight_decay=0.0)
+    per_epoch = math.ceil(len(train) / args.sprm_batch_size)
+    sprm.train()
+    progress = Progress(args.sprm_epochs * per_epoch, "sprm")
+    losses: list[float] = []
+    for _ in range(args.sprm_epochs):
+        rng.shuffle(train)
+        for start in range(0, len(train), args.sprm_batch_size):
+            batch = train[start:start + args.sprm_batch_size]
+            scores = segment_scores(sprm, head, [encoded[i] for i in batch],
+                                    tokenizer.pad_token_id)
+            loss = sprm_loss(scores, outcomes[batch])  # Eq. 3
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            check_finite(f"segment reward model, update {progress.count + 1}", loss=loss.item(),
+                         grad_norm=grad_norm.item())
+            optimizer.step()
+            losses.append(loss.item())
+            progress.update(1, loss=float(np.mean(losses[-per_epoch:])))
+    progress.close()
+    freeze(sprm, head)
+    stats = {"sprm/train_loss": float(np.mean(losses[-per_epoch:])),
+             "sprm/trajectories": len(train), "sprm/skipped_too_long": too_long}
+    if heldout:
+        with torch.no_grad():
+            scores = [s for k in range(0, len(heldout), args.sprm_batch_size)
+                      for s in segment_scores(sprm, head, [encoded[i] for i in
+                                                           heldout[k:k + args.sprm_batch_size]],
+                                              tokenizer.pad_token_id)]
+        constant = torch.full((len(heldout),), outcomes[train].mean().item())
+        stats["sprm/heldout_mse"] = sprm_loss(scores, outcomes[heldout]).item()
+        stats["sprm/heldout_mse_of_constant"] = ((constant - outcomes[heldout]) ** 2).mean().item()
+    return stats
+
+
+def cloze_samples(args: Args, tokenizer, trajs: list[dict], indices: list[int]) -> list[tuple]:
+    """(cloze prompt ids, reply ids, step prompt ids, whether turns were dropped) for every turn
+    of the given trajectories."""
+    samples = []
+    for i in indices:
+        steps = trajs[i]["steps"]
+        replies = tokenizer.batch_decode([s["response_ids"] for s in steps],
+                                         skip_special_tokens=True)
+        for k, step in enumerate(steps):
+            ids, cut = encode_cloze(args, tokenizer, trajs[i], replies, k)
+            samples.append((ids, step["response_ids"], step["prompt"], cut))
+    return samples
+
+
+def train_hindsight(args: Args, hindsight, start_model, tokenizer, trajs: list[dict],
+                    train: list[int], heldout: list[int], rng: random.Random) -> dict:
+    """Eq. 4 on the masked-reply cloze of every turn of the kept collected trajectories,
+    --hindsight-epochs epochs of --hindsight-batch-size replies (the token-mean loss of each
+    batch), then frozen. Reports the held-out replies' NLL under the hindsight model beside the
+    start policy's on the step prompt they were sampled from (the hindsight model should be
+    lower)."""
+    samples = cloze_samples(args, tokenizer, trajs, train)
+    pad = tokenizer.pad_token_id
+    lengths = [len(s[0]) + len(s[1]) for s in samples]
+    params = [p for p in hindsight.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.hindsight_learning_rate, weight_decay=0.0)
+    order = list(range(len(samples)))
+    per_epoch = math.ceil(len(samples) / args.hindsight_batch_size)
+    hindsight.train()
+    progress = Progress(args.hindsight_epochs * per_epoch, "hindsight")
+    losses: list[float] = []
+    for _ in range(args.hindsight_epochs):
+        rng.shuffle(order)
+        for start in range(0, len(order), args.hindsight_batch_size):
+            batch = order[start:start + args.hindsight_batch_size]
+            n_tokens = sum(len(samples[i][1]) for i in batch)
+            optimizer.zero_grad(set_to_none=True)
+            batch_loss = 0.0
+            for idx in length_sorted_chunks(batch, lengths, args.micro_batch_size):
+                logp, mask, _ = response_logprobs(hindsight, [samples[i][0] for i in idx],
+                                                  [samples[i][1] for i in idx], pad)
+                # the token mean of the whole batch (Eq. 4), in micro-batches
+                share = hindsight_loss(logp, mask.to(logp.device)) * mask.sum() / n_tokens
+                share.backward()
+                batch_loss += share.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            check_finite(f"hindsight model, update {progress.count + 1}", loss=batch_loss,
+                         grad_norm=grad_norm.item())
+            optimizer.step()
+            losses.append(batch_loss)
+            progress.update(1, loss=float(np.mean(losses[-per_epoch:])))
+    progress.close()
+    freeze(hindsight)
+    stats = {"hindsight/train_loss": float(np.mean(losses[-per_epoch:])),
+             "hindsight/replies": len(samples),
+             "hindsight/inputs_cut": sum(s[3] for s in samples)}
+    held = cloze_samples(args, tokenizer, trajs, heldout)
+    if held:
+        nll = {"hindsight": 0.0, "start_policy": 0.0}
+        held_lengths = [len(s[0]) + len(s[1]) for s in held]
+        with torch.no_grad():
+            for idx in length_sorted_chunks(list(range(len(held))), held_lengths,
+                                            args.micro_batch_size):
+                for name, model, column in (("hindsight", hindsight, 0),
+                                            ("start_policy", start_model, 2)):
+                    logp, mask, _ = response_logprobs(model, [held[i][column] for i in idx],
+                                                      [held[i][1] for i in idx], pad)
+                    nll[name] -= (logp * mask.to(logp.device)).sum().item()
+        n_tokens = sum(len(s[1]) for s in held)
+        stats.update({f"hindsight/heldout_nll_{k}": v / n_tokens for k, v in nll.items()})
+    return stats
+
+
+def freeze(*modules) -> None:
+    for module in modules:
+        module.eval()
+        module.requires_grad_(False)
+
+
+def score_segments(args: Args, sprm, head, tokenizer, trajs: list[dict]) -> int:
+    """Writes "seg_ids" and "seg_rewards" (r^_i of the frozen SPRM, Eq. 2) into every
+    trajectory. A transcript longer than --aux-max-tokens is read from the longest suffix of
+    whole turns that fits; segments ending before it get 0. Returns how many were cut."""
+    sequences, cut = [], 0
+    for t in trajs:
+        t["seg_ids"] = trajectory_segments(args, t)
+        ends = segment_ends(torch.tensor(t["seg_ids"])).tolist()
+        ids, mask, first_turn = encode_transcript(args, tokenizer, t)
+        cut += first_turn > 0
+        readable = [e - first_turn for e in ends if e >= first_turn]
+        sequences.append((ids, mask, readable, len(ends) - len(readable)))
+    lengths = [len(s[0]) for s in sequences]
+    with torch.no_grad():
+        for idx in length_sorted_chunks(list(range(len(trajs))), lengths, args.sprm_batch_size):
+            scores = segment_scores(sprm, head, [sequences[i][:3] for i in idx],
+                                    tokenizer.pad_token_id)
+            for i, r in zip(idx, scores):
+                unread = sequences[i][3]
+                trajs[i]["seg_rewards"] = [0.0] * unread + r.tolist()
+    return cut
+
+
+def score_hindsight(args: Args, hindsight, tokenizer, trajs: list[dict]) -> int:
+    """Writes "hind_logprobs", log pi_hind of every reply token given its cloze input (Eq. 5's
+    numerator), into every step. Returns how many cloze inputs were cut to fit."""
+    steps = [s for t in trajs for s in t["steps"]]
+    samples = cloze_samples(args, tokenizer, trajs, list(range(len(trajs))))
+    lengths = [len(s[0]) + len(s[1]) for s in samples]
+    with torch.no_grad():
+        for idx in length_sorted_chunks(list(range(len(samples))), lengths,
+                                        args.micro_batch_size):
+            logp, _, _ = response_logprobs(hindsight, [samples[i][0] for i in idx],
+                                           [samples[i][1] for i in idx], tokenizer.pad_token_id)
+            for row, i in zip(logp.cpu(), idx):
+                steps[i]["hind_logprobs"] = row[:len(samples[i][1])]
+    return sum(s[3] for s in samples)
+
+
+def auxiliary_copy(args: Args, start_model, targets):
+    """A copy of the start policy to train into the SPRM or the hindsight model: every weight
+    trainable (--aux-full-params), or a fresh LoRA adapter on the copy."""
+    model = copy.deepcopy(start_model)
+    if args.aux_full_params:
+        return model.requires_grad_(True)
+    return add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+
+
+def save_reward_models(path: str, sprm, head, hindsight, full_params: bool) -> None:
+    """The trained SPRM (weights or adapter, and head.pt) and hindsight model under path/."""
+    for name, model in (("sprm", sprm), ("hindsight", hindsight)):
+        os.makedirs(os.path.join(path, name), exist_ok=True)
+        if full_params:
+            torch.save(model.state_dict(), os.path.join(path, name, "model.pt"))
+        else:
+            model.save_pretrained(os.path.join(path, name))
+    torch.save(head.state_dict(), os.path.join(path, "sprm", "head.pt"))
+
+
+def load_reward_models(args: Args, start_model, path: str):
+    """(SPRM, head, hindsight model), frozen, from a directory save_reward_models wrote."""
+    found = os.path.join(path, "sprm", "head.pt")
+    weights = "model.pt" if args.aux_full_params else "adapter_config.json"
+    missing = [p for p in (found, os.path.join(path, "sprm", weights),
+                           os.path.join(path, "hindsight", weights)) if not os.path.isfile(p)]
+    if missing:
+        raise UsageError(f"--reward-models {path}: {', '.join(missing)} missing (not a "
+                         "reward_models/ directory of hisr.py with the same --aux-full-params?)")
+    models = []
+    for name in ("sprm", "hindsight"):
+        model = copy.deepcopy(start_model)
+        if args.aux_full_params:
+            model.load_state_dict(torch.load(os.path.join(path, name, "model.pt"),
+                                             map_location="cpu"))
+        else:
+            model = load_lora(model, os.path.join(path, name))
+        models.append(model)
+    device = next(start_model.parameters()).device
+    head = SegmentRewardHead(start_model.config.hidden_size).to(device)
+    head.load_state_dict(torch.load(found, map_location="cpu"))
+    freeze(models[0], head, models[1])
+    return models[0], head, models[1]
+
+
+# ---- 5. Policy and value loss (Eq. 9) -----------------------------------------------------------
+def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
+    exponential: a padded position must not overflow)."""
+    return torch.exp(torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp)))
+
+
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                  clip_eps: float = 0.2, entropy: Tensor | None = None,
+                  entropy_coef: float = 0.0, clip_ratio_c: float | None = None) -> Tensor:
+    """The negated clipped surrogate (Eq. 9) - entropy bonus, token-mean over mask.
+
+    logp, old_logp, mask (and entropy): (B, L); advantages: (B,) one value per step, used for
+    every token of its reply. Values at masked positions never matter. clip_ratio_c: dual clip,
+    the loss of a token with A < 0 is at most -c * A. (The KL term is in the reward.)"""
+    advantages = advantages[:, None]
+    ratio = policy_ratio(logp, old_logp, mask)
+    pg_loss = -torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    if clip_ratio_c is not None:
+        bounded = torch.min(pg_loss, -clip_ratio_c * advantages)
+        pg_loss = torch.where(advantages < 0, bounded, pg_loss)
+    if entropy is not None and entropy_coef:
+        pg_loss = pg_loss - entropy_coef * entropy
+    return (pg_loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float = 0.2) -> Tensor:
+    """(B,) -> per-step clipped value loss (B,): 0.5 * max((V - G)^2, (V_old + clip(V - V_old,
+    -clip, clip) - G)^2), as trl; the caller averages it over steps."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def policy_forward(model, value_head, prompts: list[list[int]], responses: list[list[int]],
+                   pad_id: int, temperature: float = 1.0, with_entropy: bool = False):
+    """One pass of the policy for both heads: per-token log pi(reply token | prompt, earlier
+    tokens) under softmax(logits / temperature), and V(s_t) read at the last prompt token.
+
+    Returns (logp (B, R), mask (B, R), entropy (B, R) or None, values (B,)). Prompts are
+    left-padded to P columns (pad_prompt_response), so column P - 1 is every prompt's last
+    token; only the reply positions' logits are computed."""
+    device = next(model.parameters()).device
+    input_ids, attention, position_ids, targets, mask = (
+        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
+    P = input_ids.shape[1] - targets.shape[1]
+    hidden = final_hidden_states(model, input_ids, attention, position_ids)
+    lm_head = model.get_output_embeddings()
+    logits = lm_head(hidden[:, P - 1:-1]).float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    values = value_head(hidden[:, P - 1].float()).squeeze(-1)
+    return logp, mask.float(), entropy, values
+
+
+# ---- 6. Rollouts --------------------------------------------------------------------------------
+class Policy:
+    """What a rollout needs to act: the model, its tokenizer and the chosen generation backend."""
+
+    def __init__(self, args: Args, model, tokenizer, engine=None):
+        self.args, self.model, self.tokenizer, self.engine = args, model, tokenizer, engine
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.adapter_path, self.adapter_version = "", 0
+
+    def sync(self, run_path: str) -> None:
+        """vLLM reads the adapter from disk: write the current one under a new version id (one
+        process writes it, every process has the same weights)."""
+        if self.engine is not None:
+            self.adapter_version += 1
+            self.adapter_path = os.path.join(run_path, "vllm_adapter")
+            if PartialState().is_main_process:
+                self.model.save_pretrained(self.adapter_path)
+            PartialState().wait_for_everyone()
+
+    def generate(self, prompts: list[list[int]], temperature: float,
+                 top_p: float = 1.0) -> tuple[list[list[int]], list | None]:
+        """(responses, log-probs of their tokens or None). Sampling with the hf backend and
+        without top-p (every training rollout) records the log-probs the tokens were drawn with:
+        PPO's old log-probs without another forward pass. vLLM's (bf16, other kernels) would
+        differ from the trainer's: None, and the update scores the responses itself, as veRL
+        does."""
+        a = self.args
+        if self.engine is not None:
+            responses = vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
+                                      adapter_version=self.adapter_version, eos_ids=self.eos_ids,
+                                      max_new_tokens=a.max_new_tokens, temperature=temperature,
+                                      top_p=top_p)
+            return responses, None
+        record = temperature > 0 and top_p == 1
+        out = hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
+                          eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
+                          temperature=temperature, top_p=top_p,
+                          batch_size=max(a.micro_batch_size, 64), return_logprobs=record)
+        return out if record else (out, None)
+
+
+def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
+            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
+            seconds: dict | None = None) -> list[dict]:
+    """Play one game per task in lock-step until all finish.
+
+    With expert_rng given (and policy None), the env's expert acts instead of the policy
+    (behavior-cloning data): each step records the expert's action as "label", but with
+    probability args.bc_noise a mistake is executed instead (see _perturb).
+
+    Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
+    [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
+    None), "state" (raw observation = anchor text), "action" (executed), "next_state" (the
+    observation it got), "valid" (admissible, from the env), "parsed" (the reply had an <action>
+    tag), "well_formed" (see is_well_formed), "label"}]}.
+    seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
+    seconds = defaultdict(float) if seconds is None else seconds
+    expert = expert_rng is not None
+    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert) for t in tasks]
+    batch = EnvBatch(games)
+    batch.reset()
+    trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
+              "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+    while batch.active():
+        active = batch.active()
+        start = time.perf_counter()
+        prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
+                                 batch.observations[i], games[i].admissible_actions(),
+                                 len(trajs[i]["steps"]) + 1)
+                   for i in active]
+        seconds["prompts"] += time.perf_counter() - start
+        start = time.perf_counter()
+        if expert:
+            responses = logprobs = [None] * len(active)
+            # An expert that gave up (label None) only looks around; BC skips those steps.
+            labels = [games[i].expert_action() for i in active]
+            commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise, expert_rng)
+                        if label is not None else "look" for i, label in zip(active, labels)]
+            well_formed = has_action = [True] * len(active)
+        else:
+            responses, logprobs = policy.generate(prompts, temperature, top_p)
+            logprobs = logprobs or [None] * len(active)
+            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            parsed = [parse_action(t) for t in texts]
+            # No <action> tag: the env gets the reply's tail, which is never admissible.
+            commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
+            labels = [None] * len(active)
+            has_action = [p is not None for p in parsed]
+            well_formed = [is_well_formed(t, args.reasoning) for t in texts]
+        seconds["generation"] += time.perf_counter() - start
+        states = {i: batch.observations[i] for i in active}
+        start = time.perf_counter()
+        results = batch.step(dict(zip(active, commands)))
+        seconds["env"] += time.perf_counter() - start
+        for k, i in enumerate(active):
+            obs, reward, done, info = results[i]
+            tr = trajs[i]
+            tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
+                                "logprobs": logprobs[k], "state": states[i], "action": commands[k],
+                                "next_state": obs, "valid": bool(info["valid"]),
+                                "parsed": has_action[k], "well_formed": well_formed[k],
+                                "label": labels[k]})
+            tr["rewards"].append(reward)
+            tr["history"].append((states[i], commands[k]))
+            tr["won"] = bool(info["won"])
+    for tr in trajs:
+        del tr["history"]
+    return trajs
+
+
+def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
+    """The command a noisy expert executes: its own with probability 1 - noise; else, half the
+    time, the previous command again (the typical mistake, usually answered "Nothing happens."),
+    and otherwise a random admissible one."""
+    if rng.random() >= noise:
+        return label
+    if history and rng.random() < 0.5:
+        return history[-1][1]
+    return rng.choice(game.admissible_actions())
+
+
+# ---- 7. Behavior cloning on expert trajectories -------------------------------------------------
+def expert_response(action: str, reasoning: bool) -> str:
+    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
+            else f"<action>{action}</action>")
+
+
+def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+            prompt_weight: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(loss, response_loss): mean cross-entropy of the response tokens, plus prompt_weight times
+    the mean next-token cross-entropy of the prompt tokens ("train on inputs").
+
+    Why the prompt term: the prompts are full of repeats (the admissible actions name what the
+    observations saw), so predicting them teaches a randomly initialised model to copy from its
+    context, which the actions need, in far fewer updates. A pretrained model needs no such help
+    (prompt_weight 0: only the response logits are computed)."""
+    if prompt_weight == 0:
+        logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
+        response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+        return response_loss, response_loss
+    device = next(model.parameters()).device
+    input_ids, attention, position_ids, _, response_mask = (
+        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
+                                            reduction="none")
+    # (B, L-1): the target and its context are real tokens
+    valid = (attention[:, 1:] * attention[:, :-1]).float()
+    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
+    # nll[:, P-1:].
+    split = input_ids.shape[1] - response_mask.shape[1] - 1
+    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
+    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
+    return response_loss + prompt_weight * prompt_loss, response_loss
+
+
+def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
+    """SFT on the env expert's trajectories: cross-entropy on the response tokens (plus, with
+    --bc-prompt-loss-weight, on the prompt tokens; see bc_loss). Trains the parameters of `model`
+    that require grad (a LoRA adapter, or all of them) in place."""
+    rng = random.Random(args.seed + 1)
+    tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
+    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
+    samples = []
+    for tr in demos:
+        for s in [s for s in tr["steps"] if s["label"] is not None]:
+            response = tokenizer(expert_response(s["label"], args.reasoning),
+                                 add_special_tokens=False).input_ids
+            samples.append((s["prompt"], response + [tokenizer.eos_token_id]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
+    window = 16 * args.bc_batch_size
+    batches_per_epoch = sum(math.ceil(min(window, len(samples) - w) / args.bc_batch_size)
+                            for w in range(0, len(samples), window))
+    total_steps = args.bc_epochs * batches_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(total_steps, 1))
+    print(f"behavior cloning: {len(demos)} expert trajectories, {len(samples)} steps, "
+          f"{args.bc_epochs} epochs, {total_steps} updates")
+    model.train()
+    progress = Progress(total_steps, "bc")
+    loss_value = float("nan")
+    lengths = [len(p) + len(r) for p, r in samples]
+    for _ in range(args.bc_epochs):
+        # Batches of similar length (less padding), visited in random order; members drawn from a
+        # random window of 16 batches so that each batch still mixes tasks.
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        batches = [b for w in range(0, len(order), window)
+                   for b in length_sorted_chunks(order[w:w + window], lengths, args.bc_batch_size)]
+        rng.shuffle(batches)
+        for batch in batches:
+            chunk = [samples[i] for i in batch]
+            loss, response_loss = bc_loss(model, [c[0] for c in chunk], [c[1] for c in chunk],
+                                          tokenizer.pad_token_id, args.bc_prompt_loss_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            check_finite(f"behavior cloning, update {progress.count + 1}", loss=loss.item(),
+                         grad_norm=grad_norm.item())
+            optimizer.step()
+            scheduler.step()
+            loss_value = response_loss.item()
+            progress.update(1, loss=loss_value)
+    progress.close()
+    return {"bc/loss": loss_value, "bc/steps": len(samples),
+            "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
+
+
+# ---- 8. Evaluation ------------------------------------------------------------------------------
+def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
+    """Success rate overall and per task type, and grounding accuracy: the share of admissible
+    actions over all steps, and its mean over trajectories (SPA's definition). With several
+    processes each plays its share of the tasks; the stats are of all."""
+    dist = PartialState()
+    share = process_share(len(tasks), dist.process_index, dist.num_processes)
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
+                        args.eval_temperature, args.eval_top_p)
+    trajs = gather_object([summarize(t) for t in trajs])
+    by_type: dict[str, list[bool]] = defaultdict(list)
+    for t in trajs:
+        by_type[t["task_type"]].append(t["won"])
+    steps = [s for t in trajs for s in t["steps"]]
+    stats = {f"eval_{split}/success": float(np.mean([t["won"] for t in trajs])),
+             f"eval_{split}/grounding": float(np.mean([s["valid"] for s in steps])),
+             f"eval_{split}/grounding_per_trajectory": float(np.mean(
+                 [np.mean([s["valid"] for s in t["steps"]]) for t in trajs])),
+             f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
+             f"eval_{split}/tasks": len(trajs)}
+    for task_type, wins in sorted(by_type.items()):
+        stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
+    return stats
+
+
+# ---- 9. Training loop ---------------------------------------------------------------------------
+# Data parallel (`accelerate launch --num_processes K <script>.py ...`): every process holds the
+# same policy, plays a contiguous share of each iteration's task groups (a group never straddles
+# two processes) and of the evaluation tasks, and sums its gradients with the others' before
+# every optimizer step. `python <script>.py` is one process, and none of this communicates.
+def process_share(n: int, index: int, count: int) -> range:
+    """The contiguous block of range(n) that process `index` of `count` takes (sizes differ by at
+    most one; in process order the blocks are range(n))."""
+    return range(n * index // count, n * (index + 1) // count)
+
+
+def summarize(traj: dict) -> dict:
+    """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
+    keys = ("state", "next_state", "valid", "well_formed", "parsed", "value", "step_kl",
+            "old_logprobs", "hind_logprobs")
+    steps = [{k: s[k] for k in keys if k in s} for s in traj["steps"]]
+    traj_keys = ("task_type", "group", "won", "rewards", "seg_ids", "seg_rewards")
+    return {**{k: traj[k] for k in traj_keys if k in traj}, "steps": steps}
+
+
+def sum_across_processes(params: list[Tensor], loss: float) -> float:
+    """Replace each parameter's gradient by its sum over processes (one all-reduce), and return
+    the summed loss. Each process's loss is already divided by the mini-batch's token count over
+    all processes, so the sums are the token-mean of the whole mini-batch."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    loss_row = torch.tensor([loss], device=grads[0].device)
+    flat = reduce(torch.cat([g.float().flatten() for g in grads] + [loss_row]), "sum")
+    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+        p.grad = g.view_as(p).to(p.dtype)
+    return flat[-1].item()
+
+
+def check_finite(where: str, **values: float) -> None:
+    """Stop the run, before the optimizer step, when a loss or gradient norm is NaN or inf."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        found = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise FloatingPointError(f"{where}: non-finite {found}; stopped before the optimizer "
+                                 "step, the weights are unchanged")
+
+
+def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
+    """Split `indices` into chunks of `size` after sorting them by length, so that padding to the
+    longest member of a chunk wastes little compute."""
+    ordered = sorted(indices, key=lambda i: lengths[i])
+    return [ordered[k:k + size] for k in range(0, len(ordered), size)]
+
+
+def pad_rows(rows: list[Tensor], length: int) -> Tensor:
+    """Stack 1-D tensors right-padded with 0 to `length` -> (len(rows), length). The padded
+    values never count: every loss and metric masks them before use."""
+    return torch.stack([torch.nn.functional.pad(r, (0, length - len(r))) for r in rows])
+
+
+def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) -> dict:
+    """The scoring passes before the advantages, no gradient: the current policy's log-probs of
+    every reply ("old_logprobs", the ratio's denominator) and V(s_t) ("value") in one pass, then
+    the reference's (adapter disabled) for "step_kl" = sum over the reply's tokens of log pi_old -
+    log pi_ref. Written into each step; returns the seconds of each pass."""
+    steps = [s for tr in trajs for s in tr["steps"]]
+    lengths = [len(s["prompt"]) + len(s["response_ids"]) for s in steps]
+    pad, temperature = tokenizer.pad_token_id, args.rollout_temperature
+    seconds = {}
+    model.eval()  # no dropout when scoring the rollout policy
+    began = time.perf_counter()
+    with torch.no_grad():
+        for idx in length_sorted_chunks(list(range(len(steps))), lengths, args.micro_batch_size):
+            logp, _, _, values = policy_forward(model, value_head,
+                                                [steps[i]["prompt"] for i in idx],
+                                                [steps[i]["response_ids"] for i in idx], pad,
+                                                temperature)
+            for row, value, i in zip(logp.cpu(), values.tolist(), idx):
+                steps[i]["old_logprobs"] = row[:len(steps[i]["response_ids"])]
+                steps[i]["value"] = value
+        seconds["old_logprobs"] = time.perf_counter() - began
+        began = time.perf_counter()
+        for s in steps:
+            s["step_kl"] = 0.0
+        if args.kl_coef > 0:  # without a KL term the reference pass is skipped
+            for idx in length_sorted_chunks(list(range(len(steps))), lengths,
+                                            args.micro_batch_size):
+                with model.disable_adapter():  # the same pass, so a zero adapter gives KL 0
+                    ref, _, _, _ = policy_forward(model, value_head,
+                                                  [steps[i]["prompt"] for i in idx],
+                                                  [steps[i]["response_ids"] for i in idx], pad,
+                                                  temperature)
+                for row, i in zip(ref.cpu(), idx):
+                    old = steps[i]["old_logprobs"]
+                    steps[i]["step_kl"] = (old - row[:len(old)]).sum().item()
+        seconds["ref_logprobs"] = time.perf_counter() - began
+    return seconds
+
+
+def policy_update(args: Args, model, value_head, tokenizer, optimizer, samples: list[tuple],
+                  generator: torch.Generator, iteration: int) -> dict:
+    """PPO with a critic over the step samples (prompt_ids, response_ids, advantage, return,
+    old_logprobs, old_value): `ppo_epochs` passes of shuffled mini-batches with gradient
+    accumulation; loss = clipped surrogate (token-mean) + vf_coef * clipped value loss
+    (step-mean).
+
+    With several processes, `samples` is this process's share, in process order, of one batch:
+    the mini-batches are drawn from the whole batch exactly as one process would draw them, each
+    process computes the gradient of its members, and the sum over processes is the update."""
+    pad, mb = tokenizer.pad_token_id, args.micro_batch_size
+    dist = PartialState()
+    # Every process's response lengths, in process order: a mini-batch's token count over the
+    # whole batch, and where this process's samples start in it.
+    lengths_by_process = gather_object([[len(s[1]) for s in samples]])
+    all_lengths = [n for lengths in lengths_by_process for n in lengths]
+    first = sum(len(lengths) for lengths in lengths_by_process[:dist.process_index])
+    temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
+    device = next(model.parameters()).device
+    lengths = [len(s[0]) + len(s[1]) for s in samples]
+    model.train()
+    began = time.perf_counter()
+    params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
+    stats = defaultdict(list)
+    for epoch in range(args.ppo_epochs):
+        order = torch.randperm(len(all_lengths), generator=generator).tolist()
+        for start in range(0, len(order), args.minibatch_size):
+            members = order[start:start + args.minibatch_size]  # indices into the whole batch
+            n_tokens = sum(all_lengths[i] for i in members)
+            mini = [i - first for i in members if first <= i < first + len(samples)]
+            optimizer.zero_grad(set_to_none=True)
+            minibatch_loss = 0.0
+            # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
+            for idx in length_sorted_chunks(mini, lengths, mb):
+                logp, mask, entropy, values = policy_forward(
+                    model, value_head, [samples[i][0] for i in idx], [samples[i][1] for i in idx],
+                    pad, temperature, with_entropy=args.entropy_coef > 0)
+                mask = mask.to(device)
+                old = pad_rows([samples[i][4] for i in idx], logp.shape[1]).to(device)
+                adv, returns, old_values = (
+                    torch.tensor([samples[i][k] for i in idx], dtype=torch.float32, device=device)
+                    for k in (2, 3, 5))
+                pg_loss = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, entropy,
+                                        args.entropy_coef, args.clip_ratio_c)
+                vf_loss = value_loss(values, old_values, returns, args.value_clip)
+                # token-mean of the policy loss and step-mean of the value loss over the whole
+                # mini-batch
+                pg_share = pg_loss * mask.sum() / n_tokens
+                vf_share = vf_loss.sum() / len(members)
+                share = pg_share + args.vf_coef * vf_share
+                share.backward()
+                minibatch_loss += share.item()
+                with torch.no_grad():
+                    ratio = policy_ratio(logp, old, mask)
+                    clipped = ((ratio - 1).abs() > args.clip_eps).float()
+                    stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
+                    stats["policy_loss"].append(pg_loss.item())
+                    stats["value_loss"].append(vf_loss.mean().item())
+            if dist.num_processes > 1:
+                minibatch_loss = sum_across_processes(params, minibatch_loss)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+            check_finite(f"iteration {iteration}, PPO epoch {epoch + 1}, mini-batch at {start}",
+                         loss=minibatch_loss, grad_norm=grad_norm)
+            stats["loss"].append(minibatch_loss)
+            stats["grad_norm"].append(grad_norm)
+            optimizer.step()
+    seconds = {"update": time.perf_counter() - began}
+    means = {k: float(np.mean(v)) for k, v in stats.items()}
+    if dist.num_processes > 1:  # the mean over every process's micro-batches (or mini-batches)
+        names = ["clip_fraction", "grad_norm", "loss", "policy_loss", "value_loss"]
+        sums = torch.tensor([[sum(stats[k]), len(stats[k])] for k in names], dtype=torch.float64,
+                            device=dist.device)
+        sums = reduce(sums, "sum")
+        means = {k: (sums[i, 0] / sums[i, 1]).item() for i, k in enumerate(names)}
+    out = {f"train/{k}": v for k, v in means.items()}
+    out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
+    return out
+
+
+def save_checkpoint(path: str, model, base_model: str, args: Args, iteration: int,
+                    trainer_state: dict) -> None:
+    """The LoRA adapter (its config naming the base model), a model card saying how to load it,
+    and trainer_state.pt (optimizer, value head, iteration, every random stream) for --resume."""
+    model.peft_config["default"].base_model_name_or_path = base_model
+    model.save_pretrained(path)
+    with open(os.path.join(path, "README.md"), "w") as f:  # replaces PEFT's empty model card
+        f.write(f"""---
+base_model: {base_model}
+library_name: peft
+---
+# LoRA adapter trained by hisr.py
+
+--advantage {args.advantage}, --env {args.env}, iteration {iteration} of {args.iterations},
+seed {args.seed}. The run's configuration is in ../config.json. To load the policy:
+
+```python
+from common.model import load_lora, load_model_and_tokenizer  # this repository's common/
+model, tokenizer = load_model_and_tokenizer("{base_model}")
+policy = load_lora(model, "{os.path.abspath(path)}")
+```
+""")
+    torch.save(trainer_state, os.path.join(path, "trainer_state.pt"))
+
+
+def main(args: Args) -> dict:
+    errors = validate_args(args)
+    # One process, or one of those `accelerate launch` started (gloo between CPU processes).
+    dist = PartialState(cpu=args.device == "cpu")
+    if dist.num_processes > 1:
+        if args.tasks_per_iteration % dist.num_processes:
+            errors.append(f"--tasks-per-iteration {args.tasks_per_iteration} must be a multiple "
+                          f"of the {dist.num_processes} processes (whole groups per process)")
+        if args.bc_epochs > 0 and not args.resume:
+            also = (" --reward-models <its run>/reward_models" if args.advantage == "hisr"
+                    else "")
+            errors.append("behavior cloning runs in one process: run `python hisr.py ... "
+                          "--iterations 0` once, then launch RL with --model <its "
+                          f"run>/base_model{also}")
+        if args.advantage == "hisr" and args.reward_models is None and not args.resume:
+            errors.append("collection and the reward models' training run in one process: run "
+                          "`python hisr.py ... --iterations 0` once, then launch RL with "
+                          "--reward-models <its run>/reward_models")
+        if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
+            errors.append("--backend vllm runs in one process; with several, use --backend hf")
+        per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", dist.num_processes))
+        if args.device.startswith("cuda") and per_machine > torch.cuda.device_count():
+            errors.append(f"{per_machine} processes on a machine with "
+                          f"{torch.cuda.device_count()} GPUs: one GPU per process (or --device "
+                          "cpu)")
+    if errors:
+        raise UsageError("\n".join(errors))
+    if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
+        sys.stdout = open(os.devnull, "w")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
+    run_name = broadcast_object_list([run_name])[0]  # the main process's clock names the run
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    checkpoint = os.path.join(run_path, "checkpoint")
+    state = None  # what --resume continues, checked before anything is written
+    if args.resume:
+        if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
+            raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
+        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        if state["iteration"] >= args.iterations:
+            raise UsageError(f"--resume {args.resume}: the run already did {state['iteration']} "
+                             "iterations; pass a larger --iterations to continue it")
+        if len(state["streams"]) != dist.num_processes:
+            raise UsageError(f"--resume {args.resume}: saved by {len(state['streams'])} "
+                             f"processes, resumed by {dist.num_processes}; their random streams "
+                             "continue only with as many processes")
+    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
+    if args.tasks_per_iteration > len(train_tasks):
+        raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
+                         f"{len(train_tasks)} training tasks")
+    collect_tasks = []
+    if args.advantage == "hisr" and args.reward_models is None and not args.resume:
+        collect_tasks = random.Random(args.seed + 2).sample(
+            train_tasks, min(args.collect_num_tasks or len(train_tasks), len(train_tasks)))
+    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
+                  for split in args.eval_splits}
+    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
+    print(json.dumps(asdict(args), indent=1))
+
+    # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
+    # then the LoRA adapter trained by RL.
+    base_path = os.path.join(run_path, "base_model")
+    resumed_base = args.resume and os.path.isdir(base_path)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    # Several processes on GPUs: each its own (cuda:<local rank>), as accelerate assigned it.
+    device = str(dist.device) if dist.num_processes > 1 and args.device != "cpu" else args.device
+    model, tokenizer = load_model_and_tokenizer(base_path if resumed_base else args.model,
+                                                vocabulary=vocab, seed=args.seed, dtype=dtype,
+                                                device=device)
+    # Only now the run directory: a run stopped by bad flags or missing data leaves nothing. The
+    # main process alone writes the run directory's config, logs, checkpoints and summary.
+    writer = None
+    if dist.is_main_process:
+        os.makedirs(run_path, exist_ok=True)
+        config_file = os.path.join(run_path, "config.json")
+        command = shlex.join([sys.executable, *sys.argv])
+        record = {"command": command, "args": asdict(args), "resumed_by": [],
+                  "num_processes": dist.num_processes}
+        if args.resume:  # keep the first command; a raised --iterations holds for later resumes
+            with open(config_file) as f:
+                record = {**json.load(f), "args": asdict(args)}
+            record["resumed_by"] = record.get("resumed_by", []) + [command]
+        with open(config_file, "w") as f:
+            json.dump(record, f, indent=1)
+
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, name=os.path.basename(run_path),
+                       config=asdict(args), dir=run_path, sync_tensorboard=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(run_path)
+        writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
+            f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
+
+    def log(stats: dict, step: int) -> None:
+        for k, v in stats.items():
+            if writer is not None:
+                writer.add_scalar(k, v, step)
+
+    targets = args.lora_target_modules
+    if targets != "all-linear":
+        targets = targets.split(",")
+    history: dict = {}
+    if args.bc_epochs > 0 and not args.resume:
+        if not args.bc_full_params:
+            model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+        t0 = time.time()
+        stats = behavior_cloning(args, model, tokenizer, train_tasks)
+        stats["bc/seconds"] = time.time() - t0
+        if not args.bc_full_params:
+            model = merge_lora(model)
+        model.requires_grad_(False)
+        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
+              f"(final loss {stats['bc/loss']:.3f})")
+        log(stats, 0)
+    if (args.bc_epochs > 0 or args.model == "tiny-scratch") and not args.resume:
+        # The model RL starts from exists nowhere else: keep it beside the adapter.
+        if dist.is_main_process:
+            model.save_pretrained(base_path)
+            tokenizer.save_pretrained(base_path)
+        dist.wait_for_everyone()
+    if os.path.isdir(base_path):
+        base_model = os.path.abspath(base_path)
+    else:
+        base_model = resolve_model_name(args.model)[0]
+    # HISR's reward models start from the policy's start: a copy, before the policy's adapter.
+    aux_start = copy.deepcopy(model) if args.advantage == "hisr" else None
+    if args.resume:
+        model = load_lora(model, checkpoint)
+    else:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+    model.print_trainable_parameters()
+    # The critic: a value head on the policy's final hidden state, backbone and adapter shared.
+    value_head = make_head(model.config.hidden_size, "linear", device)
+    if dist.num_processes > 1:
+        for p in [*model.parameters(), *value_head.parameters()]:
+            if p.requires_grad:  # the same start everywhere, whatever each device's init did
+                broadcast(p.data, from_process=0)
+        # Each process samples its own draws; process 0 continues the one-process stream.
+        if dist.process_index > 0:
+            torch.manual_seed(args.seed + 100_003 * dist.process_index)
+
+    engine = None
+    if args.backend == "vllm":
+        engine = make_vllm_engine(base_model, max_lora_rank=args.lora_r,
+                                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                                  max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+                                  seed=args.seed)
+    policy = Policy(args, model, tokenizer, engine)
+
+    # Collection and the reward models (Eqs. 2-4), or those saved before. The new adapter is
+    # zero, so the policy that collects is the start policy.
+    sprm = sprm_head = hindsight = None
+    if args.advantage == "hisr":
+        aux_path = os.path.join(run_path, "reward_models")
+        if args.resume or args.reward_models:
+            sprm, sprm_head, hindsight = load_reward_models(args, aux_start,
+                                                            args.reward_models or aux_path)
+        else:
+            t0 = time.time()
+            policy.sync(run_path)
+            collected = collect(args, policy, collect_tasks)
+            kept = [t for t in collected if keep_for_training(t)]
+            for t in kept:
+                t["seg_ids"] = trajectory_segments(args, t)
+            if not kept:
+                raise UsageError(f"the collection filter dropped all {len(collected)} collected "
+                                 "trajectories (malformed replies or loops); raise "
+                                 "--collect-num-tasks or --collect-rollouts")
+            stats = {"collect/success": float(np.mean([t["won"] for t in collected])),
+                     "collect/kept_share": len(kept) / len(collected),
+                     "collect/kept_success": float(np.mean([t["won"] for t in kept])),
+                     "collect/segments_per_trajectory": float(np.mean(
+                         [max(t["seg_ids"]) + 1 for t in kept]))}
+            train, heldout = split_heldout(kept, args.aux_heldout, random.Random(args.seed + 3))
+            sprm = auxiliary_copy(args, aux_start, targets)
+            sprm_head = SegmentRewardHead(model.config.hidden_size).to(device)
+            stats.update(train_sprm(args, sprm, sprm_head, tokenizer, kept, train, heldout,
+                                    random.Random(args.seed + 4)))
+            hindsight = auxiliary_copy(args, aux_start, targets)
+            stats.update(train_hindsight(args, hindsight, aux_start, tokenizer, kept, train,
+                                         heldout, random.Random(args.seed + 5)))
+            stats["aux/seconds"] = time.time() - t0
+            print(f"reward models done in {stats['aux/seconds']:.0f}s: collection success "
+                  f"{stats['collect/success']:.3f}, kept {len(kept)} of {len(collected)} "
+                  f"(success {stats['collect/kept_success']:.3f}), "
+                  f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
+            if heldout:
+                print(f"  held out: SPRM MSE {stats['sprm/heldout_mse']:.4f} (a constant: "
+                      f"{stats['sprm/heldout_mse_of_constant']:.4f}); hindsight NLL per token "
+                      f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the start policy: "
+                      f"{stats['hindsight/heldout_nll_start_policy']:.4f})")
+            log(stats, 0)
+            if dist.is_main_process:
+                save_reward_models(aux_path, sprm, sprm_head, hindsight, args.aux_full_params)
+            dist.wait_for_everyone()
+        del aux_start
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in model.parameters() if p.requires_grad]},
+         {"params": list(value_head.parameters()), "lr": args.value_learning_rate}],
+        lr=args.learning_rate, weight_decay=args.weight_decay)
+    generator = torch.Generator().manual_seed(args.seed)
+    task_rng = random.Random(args.seed)
+    start_iteration = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        value_head.load_state_dict(state["value_head"])
+        generator.set_state(state["generator"])
+        task_rng.setstate(state["task_rng"])
+        streams = state["streams"][dist.process_index]
+        random.setstate(streams["python"])
+        np.random.set_state(streams["numpy"])
+        torch.set_rng_state(streams["torch"])
+        if torch.cuda.is_available() and streams["cuda"]:
+            torch.cuda.set_rng_state_all(streams["cuda"])
+        start_iteration, history = state["iteration"], state["history"]
+        print(f"resumed from {checkpoint} at iteration {start_iteration}")
+
+    progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
+
+    def run_eval(iteration: int) -> None:
+        policy.sync(run_path)
+        for split, tasks in eval_tasks.items():
+            t0 = time.time()
+            stats = evaluate(args, policy, split, tasks)
+            log(stats, iteration)
+            history.setdefault(iteration, {}).update(stats)
+            per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}"
+                                for k, v in stats.items() if "/success_" in k)
+            progress.write(f"[eval {split} @ iter {iteration}] "
+                           f"success {stats[f'eval_{split}/success']:.3f} "
+                           f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) "
+                           f"[{time.time() - t0:.0f}s]")
+
+    if start_iteration == 0:
+        run_eval(0)
+    for iteration in range(start_iteration + 1, args.iterations + 1):
+        t0 = time.time()
+        seconds = defaultdict(float)
+        my_groups = process_share(args.tasks_per_iteration, dist.process_index,
+                                  dist.num_processes)
+        # (1) B tasks x N copies, lock-step rollouts of the current policy
+        batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
+        policy.sync(run_path)
+        tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
+        groups = [g for g in my_groups for _ in range(args.group_size)]
+        trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
+                        seconds=seconds)
+        rollout_seconds = time.time() - t0
+        # (2-4) old log-probs (Eq. 5's denominator) and values, the reference's step KL; the
+        # segments and their SPRM rewards (Eq. 2), the hindsight log-probs (Eq. 5's numerator).
+        seconds.update(score_rollouts(args, model, value_head, tokenizer, trajs))
+        cut = {"sprm": 0, "hindsight": 0}
+        if sprm is not None:
+            start = time.perf_counter()
+            cut["sprm"] = score_segments(args, sprm, sprm_head, tokenizer, trajs)
+            seconds["sprm"] = time.perf_counter() - start
+            start = time.perf_counter()
+            cut["hindsight"] = score_hindsight(args, hindsight, tokenizer, trajs)
+            seconds["hindsight"] = time.perf_counter() - start
+        # (5) importance (Eqs. 5-6), modulated segment rewards (Eq. 7), fused rewards (Eq. 8) and
+        # GAE over the whole batch (whitened over all of it); each process keeps the advantages
+        # and returns of its trajectories.
+        start = time.perf_counter()
+        batch = gather_object([summarize(t) for t in trajs])
+        first = my_groups.start * args.group_size
+        batch_advantages, batch_returns = compute_advantages(args, batch)
+        advantages = batch_advantages[first:first + len(trajs)]
+        returns = batch_returns[first:first + len(trajs)]
+        seconds["advantages"] = time.perf_counter() - start
+        samples = [(s["prompt"], s["response_ids"], float(a), float(g), s["old_logprobs"],
+                    s["value"])
+                   for tr, adv, ret in zip(trajs, advantages, returns)
+                   for s, a, g in zip(tr["steps"], adv, ret)]
+        # (6) the clipped policy update (Eq. 9) with the critic's value loss.
+        stats = policy_update(args, model, value_head, tokenizer, optimizer, samples, generator,
+                              iteration)
+        n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
+        abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
+        steps = [s for tr in batch for s in tr["steps"]]
+        values = np.array([s["value"] for s in steps])
+        targets_g = np.array([g for ret in batch_returns for g in ret])
+        stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
+                      "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+                      "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
+                      "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+                      "rollout/step_samples": len(steps),
+                      "time/rollout_seconds": rollout_seconds,
+                      "time/iteration_seconds": time.time() - t0,
+                      "train/advantage_abs_mean": float(np.mean(abs_advantages)),
+                      "train/value_mean": float(values.mean()),
+                      "train/explained_variance": float(
+                          1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
+                      "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))})
+        stats["rollout/tokens_per_second"] = n_tokens / max(rollout_seconds, 1e-9)
+        if sprm is not None:
+            stats.update(credit_stats(args, batch))
+            stats.update({"credit/sprm_inputs_cut": sum(gather_object([cut["sprm"]])),
+                          "credit/hindsight_inputs_cut": sum(gather_object([cut["hindsight"]]))})
+        # Where the iteration's time went: prompts, generation, env, the scoring passes
+        # (old_logprobs with values, ref_logprobs, sprm, hindsight), advantages and the update; the
+        # main process's times.
+        stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
+        log(stats, iteration)
+        progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
+                        kl=stats["reward/step_kl_mean"], vf=stats["train/value_loss"],
+                        rollout_s=round(rollout_seconds),
+                        update_s=round(stats["time/update_seconds"]),
+                        iter_s=round(stats["time/iteration_seconds"]))
+        if iteration % args.eval_every == 0 or iteration == args.iterations:
+            run_eval(iteration)
+        if iteration % args.save_every == 0 or iteration == args.iterations:
+            # Each process's own random streams, so that a resume continues every one of them.
+            streams = gather_object([{
+                "python": random.getstate(), "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}])
+            if dist.is_main_process:
+                save_checkpoint(checkpoint, model, base_model, args, iteration, {
+                    "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                    "task_rng": task_rng.getstate(), "streams": streams,
+                    "value_head": value_head.state_dict(), "iteration": iteration,
+                    "history": history})
+            dist.wait_for_everyone()
+    progress.close()
+    if writer is not None:
+        writer.close()
+    if args.track and dist.is_main_process:
+        wandb.finish()
+    headline = args.eval_splits[0]
+    key = f"eval_{headline}/success"
+    summary = {"start_success": history.get(0, {}).get(key),
+               "final_success": history[max(history)][key],
+               "best_success": max(h[key] for h in history.values() if key in h),
+               "run_path": run_path}
+    if dist.is_main_process:
+        with open(os.path.join(run_path, "summary.json"), "w") as f:  # what benchmarks/ read
+            json.dump({**summary, "evaluations": {str(k): v for k, v in sorted(history.items())}},
+                      f, indent=1)
+    start = summary["start_success"]
+    start = "n/a (resumed)" if start is None else f"{start:.3f}"
+    print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} (final), "
+          f"best {summary['best_success']:.3f}; logs and checkpoint in {run_path} "
+          f"(tensorboard --logdir {args.run_dir})")
+    if dist.num_processes > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args(sys.argv[1:]))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

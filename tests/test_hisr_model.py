@@ -1,0 +1,218 @@
+"""hisr.py's model-side pieces on the shipped tiny model: what the SPRM and the hindsight model
+read (no word unknown to the tiny vocabulary, the reply hidden, the outcome shown), where the SPRM
+reads, that a segment's score sees no later turn, the length limits, the collection filter, and
+saved reward models that load back to the same scores."""
+
+import copy
+
+import pytest
+import torch
+
+import envs
+from common.model import load_model_and_tokenizer, response_logprobs
+from hisr import (HIDDEN_REPLY, Args, Policy, SegmentRewardHead, action_end_positions,
+                  cloze_messages, encode_cloze, encode_transcript, keep_for_training,
+                  load_reward_models, rollout, save_reward_models, score_hindsight,
+                  score_segments, segment_scores, trajectory_segments)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    args = Args(max_episode_steps=8)
+    model, tokenizer = load_model_and_tokenizer("tiny")
+    torch.manual_seed(0)
+    tasks = envs.list_tasks("household", "train")[:4]
+    trajs = rollout(args, tokenizer, Policy(args, model, tokenizer), tasks, list(range(4)),
+                    temperature=1.0)
+    return args, model, tokenizer, trajs
+
+
+def random_sprm(model):
+    sprm = copy.deepcopy(model)
+    head = SegmentRewardHead(model.config.hidden_size)
+    torch.manual_seed(1)
+    for p in head.parameters():  # W2 starts at zero: a head that says something
+        p.data.normal_(0, 0.1)
+    return sprm, head
+
+
+def test_the_fixed_texts_use_no_word_the_tiny_vocabulary_lacks(tiny):
+    args, _, tokenizer, trajs = tiny
+    unk = tokenizer.convert_tokens_to_ids("[UNK]")
+    for traj in trajs:
+        ids, mask, first_turn = encode_transcript(args, tokenizer, traj)
+        assert unk not in ids and first_turn == 0
+        ends = action_end_positions(mask)
+        assert len(ends) == len(traj["steps"])
+        assert all(ids[j] == tokenizer.convert_tokens_to_ids("<|im_end|>") for j in ends)
+        replies = tokenizer.batch_decode([s["response_ids"] for s in traj["steps"]],
+                                         skip_special_tokens=True)
+        cloze, cut = encode_cloze(args, tokenizer, traj, replies, 0)
+        assert unk not in cloze and not cut
+
+
+def test_the_cloze_hides_one_reply_and_shows_the_rest_and_the_outcome(tiny):
+    _, _, tokenizer, trajs = tiny
+    traj = max(trajs, key=lambda t: len(t["steps"]))
+    replies = [f"reply {k}" for k in range(len(traj["steps"]))]
+    messages = cloze_messages(traj, replies, 1, range(len(traj["steps"])))
+    assistant = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert assistant == [HIDDEN_REPLY if k == 1 else r for k, r in enumerate(replies)]
+    observations = [m["content"] for m in messages[1:-1] if m["role"] == "user"]
+    assert observations == [f"Observation: {s['next_state']}" for s in traj["steps"]]
+    assert messages[-1]["content"].startswith(f"Your task: {float(traj['won']):.1f}.")
+
+
+def test_a_segment_score_sees_no_later_turn(tiny):
+    args, model, tokenizer, trajs = tiny
+    traj = max(trajs, key=lambda t: len(t["steps"]))
+    m = len(traj["steps"])
+    assert m >= 3
+    sprm, head = random_sprm(model)
+    turns = list(range(m))  # every turn its own segment
+    ids, mask, _ = encode_transcript(args, tokenizer, traj)
+    changed = copy.deepcopy(traj)
+    changed["steps"][-1]["response_ids"] = tokenizer("<action> look </action>",
+                                                     add_special_tokens=False).input_ids
+    ids2, mask2, _ = encode_transcript(args, tokenizer, changed)
+    with torch.no_grad():
+        (before,) = segment_scores(sprm, head, [(ids, mask, turns)], tokenizer.pad_token_id)
+        (after,) = segment_scores(sprm, head, [(ids2, mask2, turns)], tokenizer.pad_token_id)
+    assert before.shape == (m,)
+    assert torch.allclose(before[:-1], after[:-1], atol=1e-5)
+    assert not torch.allclose(before[-1], after[-1])
+
+
+def test_too_long_transcripts_are_read_from_a_suffix(tiny):
+    args, model, tokenizer, trajs = tiny
+    sprm, head = random_sprm(model)
+    whole = copy.deepcopy(trajs)
+    score_segments(args, sprm, head, tokenizer, whole)
+    for t in whole:
+        assert len(t["seg_rewards"]) == max(t["seg_ids"]) + 1
+    args2 = Args(max_episode_steps=8, segmenter="turns")
+    lengths = [len(encode_transcript(args2, tokenizer, t)[0]) for t in trajs]
+    limited = Args(max_episode_steps=8, segmenter="turns", aux_max_tokens=max(lengths) - 1)
+    cut_trajs = copy.deepcopy(trajs)
+    assert score_segments(limited, sprm, head, tokenizer, cut_trajs) == 1
+    longest = max(range(len(trajs)), key=lambda i: lengths[i])
+    ids, _, first_turn = encode_transcript(limited, tokenizer, trajs[longest])
+    assert first_turn >= 1 and len(ids) <= limited.aux_max_tokens
+    rewards = cut_trajs[longest]["seg_rewards"]
+    assert rewards[:first_turn] == [0.0] * first_turn
+    assert len(rewards) == len(trajs[longest]["steps"])
+    assert any(r != 0 for r in rewards[first_turn:])
+
+
+def test_too_long_cloze_inputs_drop_the_farthest_turns(tiny):
+    args, _, tokenizer, trajs = tiny
+    traj = max(trajs, key=lambda t: len(t["steps"]))
+    replies = tokenizer.batch_decode([s["response_ids"] for s in traj["steps"]],
+                                     skip_special_tokens=True)
+    full, cut = encode_cloze(args, tokenizer, traj, replies, 1)
+    assert not cut
+    target = len(traj["steps"][1]["response_ids"])
+    limited = Args(aux_max_tokens=len(full) + target - 1)
+    shorter, cut = encode_cloze(limited, tokenizer, traj, replies, 1)
+    assert cut and len(shorter) + target <= limited.aux_max_tokens
+    # one whole turn went, the last one (after k first): its reply and observation
+    assert tokenizer.decode(shorter).count("observation") == (
+        tokenizer.decode(full).count("observation") - 1)
+    last = cloze_messages(traj, replies, 1, range(len(traj["steps"]) - 1))
+    text = tokenizer.apply_chat_template(last, tokenize=False, add_generation_prompt=True)
+    assert shorter == tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_hindsight_scores_every_reply_token(tiny):
+    args, model, tokenizer, trajs = tiny
+    trajs = copy.deepcopy(trajs)
+    assert score_hindsight(args, model, tokenizer, trajs) == 0
+    traj = trajs[0]
+    replies = tokenizer.batch_decode([s["response_ids"] for s in traj["steps"]],
+                                     skip_special_tokens=True)
+    for k, step in enumerate(traj["steps"]):
+        assert step["hind_logprobs"].shape == (len(step["response_ids"]),)
+    prompt, _ = encode_cloze(args, tokenizer, traj, replies, 2)
+    with torch.no_grad():
+        logp, _, _ = response_logprobs(model, [prompt], [traj["steps"][2]["response_ids"]],
+                                       tokenizer.pad_token_id)
+    assert torch.allclose(traj["steps"][2]["hind_logprobs"], logp[0], atol=1e-5)
+
+
+def test_the_collection_filter():
+    def traj(actions_feedback, well_formed=True):
+        return {"steps": [{"action": a, "next_state": f, "well_formed": well_formed}
+                          for a, f in actions_feedback]}
+    assert keep_for_training(traj([("look", "x"), ("go to desk 1", "y"), ("look", "x")]))
+    assert not keep_for_training(traj([("look", "x")], well_formed=False))
+    assert not keep_for_training(traj([("a", "b"), ("look", "x"), ("look", "x"), ("look", "x")]))
+    assert keep_for_training(traj([("look", "x"), ("look", "x"), ("look", "z")]))
+
+
+def test_segmenters(tiny):
+    _, _, _, trajs = tiny
+    traj = max(trajs, key=lambda t: len(t["steps"]))
+    m = len(traj["steps"])
+    assert trajectory_segments(Args(segmenter="turns"), traj) == list(range(m))
+    assert trajectory_segments(Args(segmenter="whole"), traj) == [0] * m
+    events = trajectory_segments(Args(), traj)
+    assert events[0] == 0 and all(b - a in (0, 1) for a, b in zip(events, events[1:]))
+
+
+@pytest.mark.parametrize("full_params", [True, False])
+def test_saved_reward_models_load_back_to_the_same_scores(tiny, tmp_path, full_params):
+    from hisr import auxiliary_copy
+
+    args, model, tokenizer, trajs = tiny
+    args = Args(max_episode_steps=8, aux_full_params=full_params, lora_r=4, lora_alpha=8)
+    sprm = auxiliary_copy(args, model, "all-linear")
+    hindsight = auxiliary_copy(args, model, "all-linear")
+    torch.manual_seed(2)
+    for p in [*sprm.parameters(), *hindsight.parameters()]:
+        if p.requires_grad:
+            p.data.add_(torch.randn_like(p) * 0.05)
+    _, head = random_sprm(model)
+    before = copy.deepcopy(trajs)
+    score_segments(args, sprm, head, tokenizer, before)
+    score_hindsight(args, hindsight, tokenizer, before)
+    save_reward_models(str(tmp_path), sprm, head, hindsight, full_params)
+    sprm2, head2, hindsight2 = load_reward_models(args, model, str(tmp_path))
+    assert not any(p.requires_grad for p in [*sprm2.parameters(), *hindsight2.parameters()])
+    after = copy.deepcopy(trajs)
+    score_segments(args, sprm2, head2, tokenizer, after)
+    score_hindsight(args, hindsight2, tokenizer, after)
+    for a, b in zip(before, after):
+        assert a["seg_rewards"] == pytest.approx(b["seg_rewards"], abs=1e-6)
+        for s, t in zip(a["steps"], b["steps"]):
+            assert torch.allclose(s["hind_logprobs"], t["hind_logprobs"], atol=1e-6)
+    start = [p.clone() for p in model.parameters()]
+    assert all(torch.equal(p, q) for p, q in zip(start, model.parameters()))  # untouched
+
+
+def test_the_harness_and_the_update_are_the_other_scripts_text():
+    """diff proxmo.py hisr.py shows only the method: prompts, rollouts, BC and evaluation are
+    proxmo.py's text; the PPO update with its critic is spa.py's (whose data-parallel test
+    covers it)."""
+    import inspect
+    import os
+    import re
+
+    import hisr
+    import spa
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def sections(name):
+        with open(os.path.join(root, name)) as f:
+            parts = re.split(r"(?m)^(?=# ---- \d+\. )", f.read())
+        return {p.split("\n", 1)[0]: p for p in parts if p.startswith("# ---- ")}
+
+    mine, theirs = sections("hisr.py"), sections("proxmo.py")
+    for title in ("2. Prompts", "6. Rollouts", "7. Behavior cloning", "8. Evaluation"):
+        (a,) = [v for k, v in mine.items() if title in k]
+        (b,) = [v for k, v in theirs.items() if title in k]
+        assert a == b, title
+    for name in ("policy_update", "score_rollouts", "policy_forward", "value_loss",
+                 "save_checkpoint"):
+        a, b = inspect.getsource(getattr(hisr, name)), inspect.getsource(getattr(spa, name))
+        assert a == b.replace("spa.py", "hisr.py"), name
