@@ -28,9 +28,11 @@ Where this script chooses, or departs from the paper (no code was released; spec
     batch. Hindsight model: Eq. 4 as the token mean of a batch. Both are full copies of the start
     policy, every weight trained (the paper's; --no-aux-full-params: a LoRA adapter on each copy).
   * Their inputs: one chat of the whole episode ([task and first observation], reply, "Observation:
-    ...", ...), not the step prompts. The cloze input shows every turn with reply k replaced by
-    "?", every observation (the last one too), then the outcome; its target is the exact reply
-    token ids the policy sampled. The fixed texts use words the tiny model's vocabulary knows.
+    ...", ...), not the step prompts; replies are stripped of outer white space. The cloze input
+    shows every turn with reply k replaced by "___", every observation (the last one too), then
+    the outcome; its target is the exact reply token ids the policy sampled. With the tiny
+    models the fixed texts are made of words their vocabulary knows ("?" for the hidden reply).
+    The copies train in float32 (bf16 would round the paper's 1e-6 steps away).
     Longer than --aux-max-tokens: an SPRM transcript is left out of training (counted) and read in
     RL from its longest suffix of whole turns that fits (segments ending before it get 0); a
     cloze input drops the turns farthest from k, alternately after and before it (counted).
@@ -50,16 +52,26 @@ Where this script chooses, or departs from the paper (no code was released; spec
     rate and a clipped value loss (the spec's separate critic adapter is not built: sharing keeps
     the update section identical to spa.py's, so that the two differ only in their rewards).
   * The batch and the tiny presets are the harness's (--tasks-per-iteration x --group-size
-    rollouts; one PPO epoch of 256-step mini-batches with the tiny model) so that every method
-    is compared on the same budget; the real preset takes the paper's 40-step limit, full history,
-    4 epochs of 64-step mini-batches and the paper's learning rates.
+    rollouts, 4 x 8; one PPO epoch of 256-step mini-batches; LoRA rank 16, alpha 32; the value
+    loss weighs 0.1, small because the critic shares the LoRA) so that every method is compared
+    on the same budget; the spec's tiny table has 16 rollouts, 4 epochs of 64 and rank 8. The
+    real preset takes the spec's 16 rollouts per iteration, 40-step limit, full history, 4
+    epochs of 64-step mini-batches and the paper's learning rates, but the harness's BC (LoRA at
+    1e-4, batch 16, merged; the paper: every weight at 1.5e-5, batch 32). The paper's backbone
+    is Llama-3.2-3B-Instruct; pass it with --model.
+  * With --segmenter whole (and --him-scale unit, Eq. 7 as written) every trajectory gets one
+    modulated reward of sign(r^) = +-1, and an SPRM regressed onto 0/1 outcomes is rarely
+    negative: the reward then says little about the outcome. The run prints a warning;
+    credit/him_sum_won and _lost show how far it holds with events too.
   * Prompts, rollouts, evaluation and behavior cloning are this project's harness (the same as
     proxmo.py); evaluation samples at temperature 0.4 like every script here (the paper decodes
     greedily: --eval-temperature 0). With `--model tiny` the shipped start is already the cloned
     policy: --bc-epochs 0. Real models clone first (--bc-epochs 3, LoRA, merged; the paper
     fine-tunes every weight).
-  * Not built: micro-batching of SPRM training (a batch of --sprm-batch-size whole transcripts
-    goes through one forward and backward; lower it for a real model and long trajectories).
+  * Not built: the spec's --no-aux-full-params shares one base between LoRA adapters; here each
+    adapter sits on its own float32 copy (it saves the optimizer states, not the weights). The
+    cloze inputs of a batch are encoded up front (a real model's collection holds tens of
+    thousands of them in memory as token ids).
 
 Run:
     python hisr.py                          # tiny model, built-in household, CPU, minutes
@@ -220,7 +232,8 @@ class Args:
     tasks_per_iteration: int = 4
     """training tasks per iteration, each played --group-size times [preset: tiny 4 | real 16]"""
     group_size: int = 8
-    """N trajectories per task (HISR needs no groups: the batch shape of every script here)"""
+    """N trajectories per task (HISR needs no groups) [preset: tiny 8 (the batch shape of every
+    script here) | real 1 (the spec's 16 trajectories per iteration)]"""
     max_episode_steps: int = 30
     """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 40
     (the paper's)]"""
@@ -310,15 +323,15 @@ class Args:
     """share of GPU memory vLLM may take (the rest holds the training model)"""
 
 
-REAL_MODEL_PRESETS = dict(iterations=100, tasks_per_iteration=16, max_episode_steps=40,
-                          learning_rate=1e-5, micro_batch_size=8, max_new_tokens=512,
-                          max_prompt_tokens=4096, history_length=40, reasoning=True, bc_epochs=3,
-                          bc_full_params=False, bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4,
-                          bc_batch_size=16, eval_every=5, eval_num_tasks=0, ppo_epochs=4,
-                          minibatch_size=64, lora_r=8, lora_alpha=16, collect_num_tasks=400,
-                          collect_rollouts=10, sprm_epochs=1, sprm_learning_rate=2e-6,
-                          hindsight_learning_rate=1e-6, hindsight_batch_size=192,
-                          aux_max_tokens=8192, value_learning_rate=1e-4)
+REAL_MODEL_PRESETS = dict(iterations=100, tasks_per_iteration=16, group_size=1,
+                          max_episode_steps=40, learning_rate=1e-5, micro_batch_size=8,
+                          max_new_tokens=512, max_prompt_tokens=4096, history_length=40,
+                          reasoning=True, bc_epochs=3, bc_full_params=False,
+                          bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
+                          eval_every=5, eval_num_tasks=0, ppo_epochs=4, minibatch_size=64,
+                          lora_r=8, lora_alpha=16, collect_num_tasks=400, collect_rollouts=10,
+                          sprm_epochs=1, sprm_learning_rate=2e-6, hindsight_learning_rate=1e-6,
+                          hindsight_batch_size=192, aux_max_tokens=8192, value_learning_rate=1e-4)
 TINY_SCRATCH_PRESETS = dict(bc_epochs=3)
 
 
@@ -864,11 +877,16 @@ def credit_stats(args: Args, trajectories: list[dict]) -> dict:
 
 
 # ---- 4. Segments, the segmental reward model and the hindsight model (Eqs. 2-5) ----------------
-# The fixed texts use only words the shipped tiny model's vocabulary knows (the spec's own wording
-# needs words it lacks, which would read as [UNK]); "?" stands for the hidden reply.
 OBSERVATION = "Observation: {obs}"
-HIDDEN_REPLY = "?"
-HINDSIGHT_ASK = "Your task: {reward:.1f}. Give exactly the reply at ?."
+# The hindsight model's request (our wording of the paper's cloze prompt): (instruction before the
+# episode, the hidden reply's stand-in, the request after it). The tiny models' vocabulary lacks
+# most of these words (they would read as [UNK]), so they get a wording made of words it knows.
+CLOZE_TEXTS = {
+    "real": ("The episode below is complete. One of the agent's replies is hidden as ___; knowing "
+             "how the episode ended, write that reply.", "___",
+             "The episode ended with reward {reward:.1f}. Write the hidden reply."),
+    "tiny": ("", "?", "Your task: {reward:.1f}. Give exactly the reply at ?."),
+}
 
 
 def final_hidden_states(model, input_ids: Tensor, attention_mask: Tensor,
@@ -911,9 +929,13 @@ def trajectory_segments(args: Args, traj: dict) -> list[int]:
     return segment_ids_from_events(feedback, goal_object(traj["task"])).tolist()
 
 
-def first_message(traj: dict) -> dict:
-    return {"role": "user",
-            "content": PROMPT_INTRO.format(task=traj["task"]) + "\n" + traj["steps"][0]["state"]}
+def first_message(traj: dict, instruction: str = "") -> dict:
+    text = PROMPT_INTRO.format(task=traj["task"]) + "\n" + traj["steps"][0]["state"]
+    return {"role": "user", "content": f"{instruction}\n{text}" if instruction else text}
+
+
+def cloze_texts(args: Args) -> tuple[str, str, str]:
+    return CLOZE_TEXTS["tiny" if args.model in ("tiny", "tiny-scratch") else "real"]
 
 
 def transcript_messages(traj: dict, tokenizer, first_turn: int = 0) -> list[dict]:
@@ -922,7 +944,8 @@ def transcript_messages(traj: dict, tokenizer, first_turn: int = 0) -> list[dict
     steps = traj["steps"]
     messages = [first_message(traj)]
     for k in range(first_turn, len(steps)):
-        reply = tokenizer.decode(steps[k]["response_ids"], skip_special_tokens=True)
+        # stripped: some chat templates (Llama 3's) trim what they are given
+        reply = tokenizer.decode(steps[k]["response_ids"], skip_special_tokens=True).strip()
         messages.append({"role": "assistant", "content": reply})
         if k + 1 < len(steps):
             messages.append({"role": "user",
@@ -988,17 +1011,20 @@ def segment_scores(sprm, head, sequences: list[tuple[list[int], list[int], list[
     return scores
 
 
-def cloze_messages(traj: dict, replies: list[str], k: int, shown: range) -> list[dict]:
-    """The hindsight model's input for turn k (Eq. 4): the task and first observation, the turns
-    in `shown` with their replies (decoded) and observations (the last one included) and reply k
-    hidden, then the outcome and the request; the generation prompt follows."""
+def cloze_messages(traj: dict, replies: list[str], k: int, shown: range,
+                   texts: tuple[str, str, str] = CLOZE_TEXTS["real"]) -> list[dict]:
+    """The hindsight model's input for turn k (Eq. 4): the instruction, the task and first
+    observation, the turns in `shown` with their replies (decoded, stripped) and observations
+    (the last one included) and reply k hidden, then the outcome and the request (texts: see
+    CLOZE_TEXTS); the generation prompt follows."""
+    instruction, hidden, ask = texts
     steps = traj["steps"]
-    messages = [first_message(traj)]
+    messages = [first_message(traj, instruction)]
     for t in shown:
-        messages.append({"role": "assistant", "content": HIDDEN_REPLY if t == k else replies[t]})
+        messages.append({"role": "assistant", "content": hidden if t == k else replies[t]})
         observation = OBSERVATION.format(obs=steps[t]["next_state"])
         messages.append({"role": "user", "content": observation})
-    messages.append({"role": "user", "content": HINDSIGHT_ASK.format(reward=float(traj["won"]))})
+    messages.append({"role": "user", "content": ask.format(reward=float(traj["won"]))})
     return messages
 
 
@@ -1010,7 +1036,7 @@ def encode_cloze(args: Args, tokenizer, traj: dict, replies: list[str],
     m, target = len(traj["steps"]), len(traj["steps"][k]["response_ids"])
     low, high, after = 0, m - 1, True
     while True:
-        messages = cloze_messages(traj, replies, k, range(low, high + 1))
+        messages = cloze_messages(traj, replies, k, range(low, high + 1), cloze_texts(args))
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) + target <= args.aux_max_tokens or low == high == k:
@@ -1062,8 +1088,9 @@ def split_heldout(trajs: list[dict], share: float, rng: random.Random) -> tuple[
 def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list[int],
                heldout: list[int], rng: random.Random) -> dict:
     """Eq. 3 over the kept collected trajectories, --sprm-epochs epochs of --sprm-batch-size
-    trajectories; the held-out ones report the fit beside a constant predictor's. A transcript
-    longer than --aux-max-tokens is left out (counted). Trains in place, then freezes."""
+    trajectories (micro-batches of --micro-batch-size); the held-out ones report the fit beside
+    a constant predictor's. A transcript longer than --aux-max-tokens is left out (counted).
+    Trains in place, then freezes."""
     encoded = {}
     for i in train + heldout:
         ids, mask, first_turn = encode_transcript(args, tokenizer, trajs[i])
@@ -1087,16 +1114,21 @@ def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list
         rng.shuffle(train)
         for start in range(0, len(train), args.sprm_batch_size):
             batch = train[start:start + args.sprm_batch_size]
-            scores = segment_scores(sprm, head, [encoded[i] for i in batch],
-                                    tokenizer.pad_token_id)
-            loss = sprm_loss(scores, outcomes[batch])  # Eq. 3
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            batch_loss = 0.0
+            for k in range(0, len(batch), args.micro_batch_size):
+                micro = batch[k:k + args.micro_batch_size]
+                scores = segment_scores(sprm, head, [encoded[i] for i in micro],
+                                        tokenizer.pad_token_id)
+                # Eq. 3's batch mean, in micro-batches
+                share = sprm_loss(scores, outcomes[micro]) * (len(micro) / len(batch))
+                share.backward()
+                batch_loss += share.item()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            check_finite(f"segment reward model, update {progress.count + 1}", loss=loss.item(),
+            check_finite(f"segment reward model, update {progress.count + 1}", loss=batch_loss,
                          grad_norm=grad_norm.item())
             optimizer.step()
-            losses.append(loss.item())
+            losses.append(batch_loss)
             progress.update(1, loss=float(np.mean(losses[-per_epoch:])))
     progress.close()
     freeze(sprm, head)
@@ -1120,8 +1152,8 @@ def cloze_samples(args: Args, tokenizer, trajs: list[dict], indices: list[int]) 
     samples = []
     for i in indices:
         steps = trajs[i]["steps"]
-        replies = tokenizer.batch_decode([s["response_ids"] for s in steps],
-                                         skip_special_tokens=True)
+        replies = [r.strip() for r in tokenizer.batch_decode([s["response_ids"] for s in steps],
+                                                             skip_special_tokens=True)]
         for k, step in enumerate(steps):
             ids, cut = encode_cloze(args, tokenizer, trajs[i], replies, k)
             samples.append((ids, step["response_ids"], step["prompt"], cut))
@@ -1233,9 +1265,10 @@ def score_hindsight(args: Args, hindsight, tokenizer, trajs: list[dict]) -> int:
 
 
 def auxiliary_copy(args: Args, start_model, targets):
-    """A copy of the start policy to train into the SPRM or the hindsight model: every weight
-    trainable (--aux-full-params), or a fresh LoRA adapter on the copy."""
-    model = copy.deepcopy(start_model)
+    """A copy of the start policy to train into the SPRM or the hindsight model, in float32 (the
+    paper's learning rates of 1e-6 would round away in bf16 weights): every weight trainable
+    (--aux-full-params), or a fresh LoRA adapter on the copy."""
+    model = copy.deepcopy(start_model).float()
     if args.aux_full_params:
         return model.requires_grad_(True)
     return add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
@@ -1263,7 +1296,7 @@ def load_reward_models(args: Args, start_model, path: str):
                          "reward_models/ directory of hisr.py with the same --aux-full-params?)")
     models = []
     for name in ("sprm", "hindsight"):
-        model = copy.deepcopy(start_model)
+        model = copy.deepcopy(start_model).float()
         if args.aux_full_params:
             model.load_state_dict(torch.load(os.path.join(path, name, "model.pt"),
                                              map_location="cpu"))
@@ -1827,6 +1860,10 @@ def main(args: Args) -> dict:
                   for split in args.eval_splits}
     vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
     print(json.dumps(asdict(args), indent=1))
+    if args.advantage == "hisr" and args.segmenter == "whole" and args.him_scale == "unit":
+        print("warning: --segmenter whole with --him-scale unit gives every trajectory one "
+              "modulated reward of +-1 whatever its outcome (see the docstring); --him-scale "
+              "sprm keeps the SPRM's scale", file=sys.stderr)
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
     # then the LoRA adapter trained by RL.
@@ -1958,7 +1995,7 @@ def main(args: Args) -> dict:
                   f"{stats['collect/success']:.3f}, kept {len(kept)} of {len(collected)} "
                   f"(success {stats['collect/kept_success']:.3f}), "
                   f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
-            if heldout:
+            if "sprm/heldout_mse" in stats and "hindsight/heldout_nll_hindsight" in stats:
                 print(f"  held out: SPRM MSE {stats['sprm/heldout_mse']:.4f} (a constant: "
                       f"{stats['sprm/heldout_mse_of_constant']:.4f}); hindsight NLL per token "
                       f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the start policy: "

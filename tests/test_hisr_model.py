@@ -4,16 +4,18 @@ reads, that a segment's score sees no later turn, the length limits, the collect
 saved reward models that load back to the same scores."""
 
 import copy
+import random
 
 import pytest
 import torch
 
 import envs
 from common.model import load_model_and_tokenizer, response_logprobs
-from hisr import (HIDDEN_REPLY, Args, Policy, SegmentRewardHead, action_end_positions,
-                  cloze_messages, encode_cloze, encode_transcript, keep_for_training,
-                  load_reward_models, rollout, save_reward_models, score_hindsight,
-                  score_segments, segment_scores, trajectory_segments)
+from hisr import (CLOZE_TEXTS, Args, Policy, SegmentRewardHead, action_end_positions,
+                  cloze_messages, cloze_texts, encode_cloze, encode_transcript,
+                  keep_for_training, load_reward_models, rollout, save_reward_models,
+                  score_hindsight, score_segments, segment_scores, split_heldout,
+                  trajectory_segments, train_sprm)
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +53,23 @@ def test_the_fixed_texts_use_no_word_the_tiny_vocabulary_lacks(tiny):
         assert unk not in cloze and not cut
 
 
-def test_the_cloze_hides_one_reply_and_shows_the_rest_and_the_outcome(tiny):
+@pytest.mark.parametrize("model, hidden, outcome", [
+    ("tiny", "?", "Your task: {:.1f}."),
+    ("Qwen2.5-1.5B-Instruct", "___", "The episode ended with reward {:.1f}.")])
+def test_the_cloze_hides_one_reply_and_shows_the_rest_and_the_outcome(tiny, model, hidden,
+                                                                      outcome):
     _, _, tokenizer, trajs = tiny
     traj = max(trajs, key=lambda t: len(t["steps"]))
     replies = [f"reply {k}" for k in range(len(traj["steps"]))]
-    messages = cloze_messages(traj, replies, 1, range(len(traj["steps"])))
+    texts = cloze_texts(Args(model=model))
+    assert texts == CLOZE_TEXTS["tiny" if model == "tiny" else "real"]
+    messages = cloze_messages(traj, replies, 1, range(len(traj["steps"])), texts)
     assistant = [m["content"] for m in messages if m["role"] == "assistant"]
-    assert assistant == [HIDDEN_REPLY if k == 1 else r for k, r in enumerate(replies)]
+    assert assistant == [hidden if k == 1 else r for k, r in enumerate(replies)]
     observations = [m["content"] for m in messages[1:-1] if m["role"] == "user"]
     assert observations == [f"Observation: {s['next_state']}" for s in traj["steps"]]
-    assert messages[-1]["content"].startswith(f"Your task: {float(traj['won']):.1f}.")
+    assert messages[-1]["content"].startswith(outcome.format(float(traj["won"])))
+    assert messages[0]["content"].startswith(texts[0])
 
 
 def test_a_segment_score_sees_no_later_turn(tiny):
@@ -118,7 +127,7 @@ def test_too_long_cloze_inputs_drop_the_farthest_turns(tiny):
     # one whole turn went, the last one (after k first): its reply and observation
     assert tokenizer.decode(shorter).count("observation") == (
         tokenizer.decode(full).count("observation") - 1)
-    last = cloze_messages(traj, replies, 1, range(len(traj["steps"]) - 1))
+    last = cloze_messages(traj, replies, 1, range(len(traj["steps"]) - 1), cloze_texts(limited))
     text = tokenizer.apply_chat_template(last, tokenize=False, add_generation_prompt=True)
     assert shorter == tokenizer(text, add_special_tokens=False).input_ids
 
@@ -216,3 +225,23 @@ def test_the_harness_and_the_update_are_the_other_scripts_text():
                  "save_checkpoint"):
         a, b = inspect.getsource(getattr(hisr, name)), inspect.getsource(getattr(spa, name))
         assert a == b.replace("spa.py", "hisr.py"), name
+
+
+def test_sprm_micro_batches_give_the_batch_update(tiny):
+    """Eq. 3's batch mean taken in micro-batches of 2 gives the update of one pass over 4."""
+    args, model, tokenizer, trajs = tiny
+    trajs = copy.deepcopy(trajs)
+    for t in trajs:
+        t["seg_ids"] = trajectory_segments(args, t)
+    trained = []
+    for micro in (4, 2):
+        sprm, head = random_sprm(model)
+        sprm.requires_grad_(True)
+        run_args = Args(max_episode_steps=8, sprm_batch_size=4, sprm_epochs=1,
+                        micro_batch_size=micro, sprm_learning_rate=1e-2)
+        train, heldout = split_heldout(trajs, 0.0, random.Random(0))
+        train_sprm(run_args, sprm, head, tokenizer, trajs, train, heldout,
+                   random.Random(1))
+        trained.append(head.w1.weight.clone())
+    assert not torch.equal(trained[0], random_sprm(model)[1].w1.weight)  # it moved
+    assert torch.allclose(trained[0], trained[1], atol=1e-5)
