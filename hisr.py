@@ -753,13 +753,10 @@ def whiten(x: Tensor, eps: float = 1e-8) -> Tensor:
     return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + eps)
 
 
-def hisr_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, grounded: Tensor,
-                 alpha: float = 0.3, placement: str = "end", scale: str = "unit",
-                 use_hindsight: bool = True, step_kl: Tensor | None = None,
-                 kl_coef: float = 0.0) -> Tensor:
-    """One trajectory's turn rewards, (m,): segment importances (ones without hindsight: the
-    "w/o HIM" ablation keeps Eq. 7's normalisation), the modulated segment rewards (Eq. 7)
-    placed on turns, fused with grounding (Eq. 8) and the KL penalty."""
+def modulated_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, scale: str = "unit",
+                      use_hindsight: bool = True) -> Tensor:
+    """R^_him of one trajectory, (n,): Eq. 7 with the segment importances of log_z, or with
+    ones without hindsight (the "w/o HIM" ablation keeps Eq. 7's normalisation)."""
     n = check_segment_ids(seg_ids)
     if use_hindsight:
         importance = segment_importance(log_z, seg_ids)
@@ -767,8 +764,25 @@ def hisr_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, grounded: 
         importance = torch.ones(n, dtype=torch.float64)
     if len(seg_rewards) != n:
         raise ValueError(f"{len(seg_rewards)} segment rewards but {n} segments")
-    him = turn_rewards(modulate_segment_rewards(seg_rewards, importance, scale), seg_ids,
-                       placement)
+    return modulate_segment_rewards(seg_rewards, importance, scale)
+
+
+def whiten_pooled(advantages: list[Tensor]) -> list[Tensor]:
+    """Whiten every trajectory's advantages pooled over the batch, split back in order."""
+    if not advantages:
+        return advantages
+    return list(whiten(torch.cat(advantages)).split([len(a) for a in advantages]))
+
+
+def hisr_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, grounded: Tensor,
+                 alpha: float = 0.3, placement: str = "end", scale: str = "unit",
+                 use_hindsight: bool = True, step_kl: Tensor | None = None,
+                 kl_coef: float = 0.0) -> Tensor:
+    """One trajectory's turn rewards, (m,): segment importances (ones without hindsight: the
+    "w/o HIM" ablation keeps Eq. 7's normalisation), the modulated segment rewards (Eq. 7)
+    placed on turns, fused with grounding (Eq. 8) and the KL penalty."""
+    him = turn_rewards(modulated_rewards(seg_rewards, log_z, seg_ids, scale, use_hindsight),
+                       seg_ids, placement)
     return fused_rewards(him, grounded, alpha, step_kl, kl_coef)
 
 
@@ -795,9 +809,8 @@ def hisr_advantages(batch: list[dict], *, beta: float = 0.3, alpha: float = 0.3,
         adv, ret = gae(rewards, torch.as_tensor(traj["values"]), gamma, lam)
         advantages.append(adv)
         returns.append(ret)
-    if normalize and advantages:
-        flat = whiten(torch.cat(advantages))
-        advantages = list(flat.split([len(a) for a in advantages]))
+    if normalize:
+        advantages = whiten_pooled(advantages)
     return advantages, returns
 
 
@@ -815,27 +828,28 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list
                            args.gae_lambda)
             advantages.append(adv)
             returns.append(ret)
-        if args.normalize_advantages and advantages:
-            flat = whiten(torch.cat(advantages))
-            advantages = list(flat.split([len(a) for a in advantages]))
+        if args.normalize_advantages:
+            advantages = whiten_pooled(advantages)
         return advantages, returns
-    batch = []
-    for t in trajectories:
-        steps = t["steps"]
-        width = max(len(s["old_logprobs"]) for s in steps)
-        batch.append({
-            "seg_ids": torch.tensor(t["seg_ids"], dtype=torch.int64),
-            "seg_rewards": torch.tensor(t["seg_rewards"], dtype=torch.float64),
+    batch = [advantage_inputs(t) for t in trajectories]
+    return hisr_advantages(batch, beta=args.importance_beta, alpha=args.grounding_weight,
+                           gamma=args.gamma, lam=args.gae_lambda, placement=args.him_placement,
+                           scale=args.him_scale, use_hindsight=args.use_hindsight,
+                           kl_coef=args.kl_coef, normalize=args.normalize_advantages)
+
+
+def advantage_inputs(traj: dict) -> dict:
+    """A trajectory summary as one entry of hisr_advantages' batch (token rows padded)."""
+    steps = traj["steps"]
+    width = max(len(s["old_logprobs"]) for s in steps)
+    return {"seg_ids": torch.tensor(traj["seg_ids"], dtype=torch.int64),
+            "seg_rewards": torch.tensor(traj["seg_rewards"], dtype=torch.float64),
             "hind_logp": pad_rows([s["hind_logprobs"].double() for s in steps], width),
             "policy_logp": pad_rows([s["old_logprobs"].double() for s in steps], width),
             "mask": pad_rows([torch.ones(len(s["old_logprobs"])) for s in steps], width),
             "grounded": torch.tensor([float(s["valid"]) for s in steps]),
             "values": torch.tensor([s["value"] for s in steps], dtype=torch.float64),
-            "step_kl": torch.tensor([s["step_kl"] for s in steps], dtype=torch.float64)})
-    return hisr_advantages(batch, beta=args.importance_beta, alpha=args.grounding_weight,
-                           gamma=args.gamma, lam=args.gae_lambda, placement=args.him_placement,
-                           scale=args.him_scale, use_hindsight=args.use_hindsight,
-                           kl_coef=args.kl_coef, normalize=args.normalize_advantages)
+            "step_kl": torch.tensor([s["step_kl"] for s in steps], dtype=torch.float64)}
 
 
 def credit_stats(args: Args, trajectories: list[dict]) -> dict:
@@ -846,17 +860,13 @@ def credit_stats(args: Args, trajectories: list[dict]) -> dict:
     sums = {True: [], False: []}
     z_all = []
     for t in trajectories:
-        seg_ids = torch.tensor(t["seg_ids"], dtype=torch.int64)
-        seg_rewards = torch.tensor(t["seg_rewards"], dtype=torch.float64)
-        steps = t["steps"]
-        log_z = torch.stack([action_log_importance(s["hind_logprobs"][None].double(),
-                                                   s["old_logprobs"][None].double(),
-                                                   torch.ones(1, len(s["old_logprobs"])),
-                                                   args.importance_beta)[0] for s in steps])
+        inputs = advantage_inputs(t)
+        seg_rewards = inputs["seg_rewards"]
+        log_z = action_log_importance(inputs["hind_logp"], inputs["policy_logp"],
+                                      inputs["mask"], args.importance_beta)
         z_all += log_z.exp().tolist()
-        importance = (segment_importance(log_z, seg_ids) if args.use_hindsight
-                      else torch.ones(len(seg_rewards), dtype=torch.float64))
-        him = modulate_segment_rewards(seg_rewards, importance, args.him_scale)
+        him = modulated_rewards(seg_rewards, log_z, inputs["seg_ids"], args.him_scale,
+                                args.use_hindsight)
         sums[t["won"]].append(him.sum().item())
         if len(seg_rewards) < 2:
             continue
@@ -1124,10 +1134,8 @@ def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list
                 share = sprm_loss(scores, outcomes[micro]) * (len(micro) / len(batch))
                 share.backward()
                 batch_loss += share.item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            check_finite(f"segment reward model, update {progress.count + 1}", loss=batch_loss,
-                         grad_norm=grad_norm.item())
-            optimizer.step()
+            clipped_step(args, optimizer, params, batch_loss,
+                         f"segment reward model, update {progress.count + 1}")
             losses.append(batch_loss)
             progress.update(1, loss=float(np.mean(losses[-per_epoch:])))
     progress.close()
@@ -1191,10 +1199,8 @@ def train_hindsight(args: Args, hindsight, start_model, tokenizer, trajs: list[d
                 share = hindsight_loss(logp, mask.to(logp.device)) * mask.sum() / n_tokens
                 share.backward()
                 batch_loss += share.item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            check_finite(f"hindsight model, update {progress.count + 1}", loss=batch_loss,
-                         grad_norm=grad_norm.item())
-            optimizer.step()
+            clipped_step(args, optimizer, params, batch_loss,
+                         f"hindsight model, update {progress.count + 1}")
             losses.append(batch_loss)
             progress.update(1, loss=float(np.mean(losses[-per_epoch:])))
     progress.close()
@@ -1217,6 +1223,13 @@ def train_hindsight(args: Args, hindsight, start_model, tokenizer, trajs: list[d
         n_tokens = sum(len(s[1]) for s in held)
         stats.update({f"hindsight/heldout_nll_{k}": v / n_tokens for k, v in nll.items()})
     return stats
+
+
+def clipped_step(args: Args, optimizer, params: list[Tensor], loss: float, where: str) -> None:
+    """A reward model's optimizer step: gradient-norm clip, stop on a non-finite loss or norm."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+    check_finite(where, loss=loss, grad_norm=grad_norm.item())
+    optimizer.step()
 
 
 def freeze(*modules) -> None:
