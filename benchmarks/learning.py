@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTOCOL_FLAGS = ["--iterations", "20", "--tasks-per-iteration", "8"]
 # Each script's values of --advantage: the method first, then its baselines.
 ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"],
-              "istar.py": ["istar", "rloo", "grpo"], "hisr.py": ["hisr", "ppo"]}
+              "istar.py": ["istar", "rloo", "grpo"], "hisr.py": ["hisr", "ppo"],
+              "sspo.py": ["sspo", "grpo"]}
 
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:

@@ -91,6 +91,7 @@ class AlfworldEnv:
                                    extras=["gamefile"])
         self._env = textworld.start(game_file, infos, wrappers=[AlfredDemangler(), AlfredInfos])
         self._state = None
+        self._played: list[str] = []
         self._expert_agent = None
         self._expert_plan = "look"
         self.task_description = ""
@@ -99,7 +100,7 @@ class AlfworldEnv:
 
     def reset(self) -> str:
         self._state = self._env.reset()
-        self.steps, self.won = 0, False
+        self.steps, self.won, self._played = 0, False, []
         if self.expert:
             from alfworld.agents.expert import HandCodedTWAgent
 
@@ -116,6 +117,16 @@ class AlfworldEnv:
 
     def admissible_actions(self) -> list[str]:
         return [a for a in self._state["admissible_commands"] if a != "help"]
+
+    def snapshot(self) -> tuple[str, ...]:
+        """The commands played since reset(): TextWorld's PDDL engine cannot copy its state, so
+        restore() replays them from a reset (about one CPU-second, plus a step per command)."""
+        return tuple(self._played)
+
+    def restore(self, snapshot: tuple[str, ...]) -> None:
+        self.reset()
+        for command in snapshot:
+            self.step(command)
 
     def expert_action(self) -> str | None:
         """The expert's next command; None once it has given up on this game."""
@@ -145,6 +156,7 @@ class AlfworldEnv:
 
     def step(self, command: str) -> tuple[str, float, bool, dict]:
         command, valid = begin_step(self, command)
+        self._played.append(command)
         # A non-admissible command still goes to the engine, which answers "Nothing happens.".
         self._state, _, _ = self._env.step(command)
         self.won = bool(self._state["won"])

@@ -18,6 +18,7 @@ admissible changes nothing, returns "Nothing happens." and is flagged invalid.
 
 from __future__ import annotations
 
+import copy
 import random
 import re
 from dataclasses import dataclass, field
@@ -257,6 +258,11 @@ def _see_list(items: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + ", and " + names[-1]
 
 
+# The fields of HouseholdEnv that a step changes (what snapshot() copies).
+_GAME_STATE = ("contents", "is_open", "location", "holding", "clean", "hot", "cool", "seen",
+               "lamp_on", "won", "steps")
+
+
 @dataclass
 class HouseholdEnv:
     """One game. reset() -> first observation; step(command) -> (obs, reward, done, info)."""
@@ -293,6 +299,15 @@ class HouseholdEnv:
         around = _see_list(t.receptacles)
         return (f"You are in the middle of a {ROOM_NAMES[t.room]}. Looking quickly around you, "
                 f"you see {around}.\n\nYour task is to: {t.goal}")
+
+    def snapshot(self) -> dict:
+        """A copy of the game's mutable state; restore(snapshot) puts the game back into it (a
+        search that branches from a saved state, as 3SPO's does)."""
+        return copy.deepcopy({name: getattr(self, name) for name in _GAME_STATE})
+
+    def restore(self, snapshot: dict) -> None:
+        for name, value in copy.deepcopy(snapshot).items():
+            setattr(self, name, value)
 
     # ---- rules -------------------------------------------------------------------------------
     def _visible(self) -> list[str]:

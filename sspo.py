@@ -1,0 +1,1576 @@
+"""3SPO: State-Score-Supervised Policy Optimization (Han et al., 2026), single-file reference.
+
+3SPO updates the policy after every step instead of after whole episodes. A global table counts,
+for every state (the exact observation text of one task), the finished paths through it and how
+many of them won. From these counts:
+  * a state score S(s) in [0, 1] (Eq. 1): 1 for a state never seen to win, exp(-lambda_t p) for
+    success rate p with lambda_t = alpha ln t growing with the number t of finished paths, and 0
+    for a state that looks hopeless (xi failures or more and p <= zeta);
+  * a step reward (Eq. 2) w novelty + (0.5 - w) (S(s_t) - S(s_t+1)) + 0.5 success, whose weight w
+    moves from novelty to score drop as the state is visited more;
+  * a number of actions to sample at a state, n = ceil(K_max S) (Eq. 3): 0 cuts the branch, 1 steps
+    on without training, 2 or more form a group whose GRPO advantages train the policy at once
+    (Eq. 4, PPO-clip with a KL to the start).
+  Each task is explored by a ranked depth-first search (Algorithm 1): the sampled transitions are
+  ranked by reward, the best is expanded next, the others wait on a frontier stack, and a branch
+  that ends (won, lost, cut or at the step limit) backtracks to the newest waiting one. No critic,
+  no reward model. --advantage grpo is the GRPO baseline on whole episodes, as proxmo.py's.
+
+The paper's text lost its equations; Eqs. 1-3 follow the authors' code and Eq. 4 is reconstructed
+from their launch scripts (the spec, ../shared/specs/sspo.md, marks each). [reconstructed] below
+marks ours. Where this script departs from the paper or chooses where it is silent:
+  * The search runs in synchronous rounds over --tasks-per-iteration tasks (the authors' GUI
+    code): each round pops one node per task, samples every task's group in one generation call,
+    makes one policy update on all groups of the round, and then adds the round's finished paths
+    to the counters (in task order). Every score of a round is read from the table as the round
+    began, so one process and several make the same search.
+  * A task's search stops when its frontier is empty, after --max-paths finished paths (8, the
+    GRPO group size) or after --generations-per-task sampled actions (8 x the step limit), so
+    that a task costs about what GRPO's 8 episodes cost. The paper's search ends only with an
+    empty frontier. The last expansion may pass the budget by fewer than K_max actions.
+  * States are keyed per task, sha1(task + observation) (the code shares keys across tasks:
+    --share-states-across-tasks). "Nothing happens." keeps the current key: no novelty for a
+    command that changed nothing.
+  * Counters change only when a path finishes: every distinct state popped on the path from the
+    root, +1 visit and +1 success if it won; t counts 1 + the finished paths.
+  * The terminal next state scores 1 exactly (the code's outcome, made explicit): the score
+    difference of a winning or losing last step is S(s_t) - 1 <= 0 [spec §9.4, kept as is]. A
+    gated (hopeless) child scores high, as S = 0 makes its difference largest; the search cuts
+    it at the next pop.
+  * R_succ is 1 on a won step (the code passes the env's reward, 10 in verl-agent); a malformed
+    reply subtracts --step-invalid-penalty 0.1 from its reward, before the group normalisation.
+  * A child that repeats its parent's state or a sibling's is trained on but not pushed.
+  * Group advantages divide by the Bessel std (the paper's "group-normalised"; the repository's
+    helper only centres: --no-use-std). A group of one is never trained on.
+  * --no-backtracking (the ablation) keeps only the best child; when its branch ends, the search
+    starts a new path from the task's first state instead of backtracking [reconstructed].
+  * --fixed-novelty-weight w is the "w/o adaptive w" ablation; the paper's value was lost (0.25,
+    where the two adaptive weights cross, is a guess).
+  * LoRA instead of full fine-tuning, hence a larger learning rate (the harness's presets); no
+    entropy bonus.
+  * The built-in household copies its state for each branch (snapshot/restore); ALFWorld's engine
+    cannot, so a branch replays its commands from a reset (slow: about a CPU-second per branch).
+  * Evaluation plays plain one-sample episodes (no table, no search), as the paper's.
+
+Run:
+    python sspo.py                          # tiny model, built-in household, CPU, minutes
+    python sspo.py --advantage grpo         # the GRPO baseline on the same harness
+    python sspo.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the paper's
+    accelerate launch --multi_gpu --num_processes 8 sspo.py --env alfworld ...    # data parallel
+
+Sections: 1 arguments, 2 prompts and parsing, 3 state scores and step rewards, 4 the ranked
+backtracking search, 5 policy loss, 6 rollouts, 7 behavior cloning, 8 evaluation, 9 training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shlex
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Literal
+
+import numpy as np
+
+# Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
+# longer on 2 idle cores, half as long next to one busy process (README, "The default run"). An
+# OMP_WAIT_POLICY of your own wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast, broadcast_object_list, gather_object, reduce
+from torch import Tensor
+
+import envs
+from common import UsageError
+from common.envbatch import EnvBatch
+from common.generation import hf_generate, make_vllm_engine, vllm_generate
+from common.model import (add_lora, eos_token_ids, load_lora, load_model_and_tokenizer, merge_lora,
+                          pad_prompt_response, resolve_model_name, response_logprobs)
+from common.progress import Progress
+
+
+# ---- 1. Arguments -------------------------------------------------------------------------------
+@dataclass
+class Args:
+    """3SPO (and the GRPO baseline) for multi-turn LLM agents.
+
+    Defaults marked [preset: tiny X | real Y] depend on --model: a value that trains in minutes
+    on 2 CPU cores with `--model tiny` (or tiny-scratch), the paper's (or the authors' scripts')
+    value with a real model. --help shows the defaults of the --model it is given. The resolved
+    values are printed. For data parallel, launch it with accelerate (README, "More than one
+    device")."""
+
+    exp_name: str = "sspo"
+    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
+    seed: int = 1
+    """seeds python, numpy and torch (task sampling, LoRA init, rollout sampling); evaluations
+    draw from their own generator seeded with it"""
+    env: Literal["household", "alfworld"] = "household"
+    """household (built in, no download) or alfworld (needs $ALFWORLD_DATA)"""
+    model: str = "tiny"
+    """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct), tiny (the shipped
+    household start, assets/tiny-household) or tiny-scratch (random weights; BC first)"""
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout generation: transformers generate (KV cache) or vLLM with the LoRA adapter (GPU)"""
+    device: str = "cpu"
+    """torch device [preset: cuda when available, else cpu]"""
+    track: bool = False
+    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
+    wandb_project: str = "llm-agent-credit-assignment"
+    """Weights & Biases project of --track"""
+    run_dir: str = "runs"
+    """where run directories are created"""
+    resume: str | None = None
+    """a run directory (runs/NAME) to continue from its last checkpoint, with its saved
+    configuration; only --iterations and --device may differ from it"""
+
+    # Estimator: 3SPO's search with post-step updates, or the GRPO baseline on whole episodes.
+    advantage: Literal["sspo", "grpo"] = "sspo"
+    """sspo (ranked DFS, a policy update after every step, Eqs. 1-4) or grpo (--group-size
+    episodes per task, the episode z-score: proxmo.py's GRPO)"""
+    score_alpha: float = 50.0
+    """alpha of the annealing lambda_t = alpha ln t of the state score (Eq. 1)"""
+    fail_threshold: int = 10
+    """xi: a state with xi or more failed paths through it and success rate <= zeta scores 0
+    (Eq. 1's gate)"""
+    success_threshold: float = 0.1
+    """zeta, the success rate above which the gate stays open (Eq. 1)"""
+    novelty_decay: float = 0.1
+    """k of the novelty weight w = 0.5 exp(-k N) (Eq. 2): novelty and score difference weigh
+    the same after ln 2 / k visits"""
+    max_rollouts: int = 8
+    """K_max: actions sampled at a state of score 1 (Eq. 3)"""
+    step_invalid_penalty: float = 0.1
+    """subtracted from the step reward of a malformed reply (no <action> tag, with --reasoning
+    no <think> tag, or Chinese characters) before the group normalisation (sspo)"""
+    max_paths: int = 8
+    """a task's search stops after this many finished paths (sspo)"""
+    generations_per_task: int = 240
+    """a task's search stops after sampling this many actions (sspo) [preset: tiny 240 | real
+    400, 8 x --max-episode-steps]"""
+    share_states_across_tasks: bool = False
+    """key states by the observation alone, across tasks, as the authors' code (default: per
+    task)"""
+    use_std: bool = True
+    """divide group advantages by the group std (Bessel); --no-use-std only subtracts the mean,
+    as the authors' helper"""
+    invalid_action_penalty: float = 0.01
+    """grpo: subtracted from the final advantage of every malformed reply (proxmo.py's rule)"""
+    # The paper's ablations (Table 2).
+    novelty_reward: bool = True
+    """the novelty term of Eq. 2 (--no-novelty-reward: the paper's "w/o R_novel")"""
+    score_difference_reward: bool = True
+    """the score-difference term of Eq. 2 (--no-score-difference-reward: "w/o R_score")"""
+    fixed_novelty_weight: float | None = None
+    """a fixed w in [0, 0.5] instead of w(N) ("w/o adaptive w"; the paper's value was lost,
+    0.25 is where the adaptive weights cross)"""
+    uniform_rollouts: bool = False
+    """sample K_max actions at every state the gate lets through, instead of ceil(K_max S)
+    ("w/o adaptive n")"""
+    backtracking: bool = True
+    """--no-backtracking keeps only the best child of a state; a branch that ends starts a new
+    path from the task's first state ("w/o backtrack")"""
+
+    # RL
+    iterations: int = 8
+    """training iterations; 0 = behavior cloning and the start evaluation only
+    [preset: tiny 8 | real 150]"""
+    tasks_per_iteration: int = 4
+    """training tasks per iteration, each searched (sspo) or played --group-size times (grpo)
+    [preset: tiny 4 | real 16]"""
+    group_size: int = 8
+    """grpo: N trajectories per task (a group); 1 makes every advantage 0"""
+    max_episode_steps: int = 30
+    """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 50]"""
+    learning_rate: float = 1e-4
+    """AdamW learning rate of the LoRA weights [preset: tiny 1e-4 (a step per search round is
+    about 6x GRPO's steps; proxmo.py's 5e-4 collapsed on valid) | real 1e-5 (the paper's 1e-6
+    is for full fine-tuning)]"""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the RL update"""
+    clip_eps: float = 0.2
+    """PPO clip range epsilon of the ratio (Eq. 4)"""
+    clip_ratio_c: float | None = None
+    """dual-clip bound c > 1: for negative advantages the loss is at most -c * A (off by default;
+    veRL's 3.0)"""
+    kl_coef: float = 0.01
+    """weight of the k3 KL penalty to the reference policy (the adapter disabled); 0 skips the
+    reference pass"""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus"""
+    ppo_epochs: int = 1
+    """passes over an iteration's step samples"""
+    minibatch_size: int = 256
+    """step samples per optimizer step (sspo: a round's groups, at most tasks x K_max)"""
+    micro_batch_size: int = 16
+    """step samples per forward pass [preset: tiny 16 (faster on CPU than 64) | real 8]"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip of every optimizer step"""
+    rollout_temperature: float = 1.0
+    """sampling temperature of training rollouts and of the search; PPO scores responses under
+    the same tempered policy, softmax(logits / temperature)"""
+    eval_top_p: float = 1.0
+    """nucleus sampling of evaluation (1 = off); training rollouts always sample the full
+    softmax(logits / T) that PPO scores"""
+    max_new_tokens: int = 12
+    """response length limit [preset: tiny 12 | real 512]"""
+    max_prompt_tokens: int = 2048
+    """prompt length limit; longer prompts drop their oldest history pairs first"""
+    history_length: int = 1
+    """past (observation, action) pairs shown in the prompt [preset: tiny 1 | real 2 (paper)]"""
+    reasoning: bool = False
+    """ask for <think> reasoning before the action [preset: tiny off | real on]"""
+
+    # LoRA
+    lora_r: int = 16
+    """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
+    lora_alpha: int = 32
+    """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names, or all-linear"""
+
+    # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
+    bc_epochs: int = 0
+    """epochs of BC before RL; 0 skips it [preset: tiny 0 (the shipped model is cloned already)
+    | tiny-scratch 3 | real 0]"""
+    bc_full_params: bool = True
+    """train every weight during BC instead of a LoRA adapter [preset: tiny on (random
+    embeddings are out of LoRA's reach) | real off]"""
+    bc_num_tasks: int = 400
+    """training tasks the expert plays for BC demonstrations"""
+    bc_noise: float = 0.2
+    """share of demonstration steps where a mistake is executed instead of the expert's action
+    (the label stays the expert's), so BC also sees recoveries"""
+    bc_prompt_loss_weight: float = 1.0
+    """weight of the prompt tokens' next-token loss in BC (see bc_loss)
+    [preset: tiny 1 | real 0]"""
+    bc_learning_rate: float = 2e-3
+    """AdamW learning rate of behavior cloning [preset: tiny 2e-3 | real 1e-4]"""
+    bc_batch_size: int = 8
+    """demonstration steps per BC update [preset: tiny 8 | real 16]"""
+
+    # Evaluation
+    eval_splits: tuple[str, ...] = ("test",)
+    """splits to evaluate on, the first is the headline [preset: household test | alfworld
+    valid_unseen valid_seen (unseen is the papers' headline)]"""
+    eval_every: int = 8
+    """iterations between evaluations, besides iteration 0 and the last
+    [preset: tiny 8 | real 5]"""
+    eval_num_tasks: int = 200
+    """first tasks of each split to evaluate; 0 = the whole split [preset: tiny 200 | real 0]"""
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation (the paper's 0.4; 0 is greedy)"""
+    save_every: int = 10
+    """iterations between checkpoints (the last iteration is always saved)"""
+
+    # vLLM
+    vllm_gpu_memory_utilization: float = 0.35
+    """share of GPU memory vLLM may take (the rest holds the training model)"""
+
+
+REAL_MODEL_PRESETS = dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50,
+                          learning_rate=1e-5, micro_batch_size=8, max_new_tokens=512,
+                          history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,
+                          bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
+                          eval_every=5, eval_num_tasks=0, generations_per_task=400)
+TINY_SCRATCH_PRESETS = dict(bc_epochs=3)
+
+
+def preset_args(model: str = "tiny", env: str = "household") -> Args:
+    """The defaults for `model` and `env`: the dataclass's (tiny presets), with
+    TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top."""
+    args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
+                device="cuda" if torch.cuda.is_available() else "cpu")
+    if model == "tiny-scratch":
+        return replace(args, **TINY_SCRATCH_PRESETS)
+    return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)
+
+
+def validate_args(args: Args) -> list[str]:
+    """One line per nonsensical value; [] when all are usable."""
+    a = args
+    floats = [f.name for f in fields(Args) if isinstance(getattr(a, f.name), float)]
+    rules = [(math.isfinite(getattr(a, name)), f"--{name.replace('_', '-')} must be finite")
+             for name in floats]
+    rules += [
+        (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
+        (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
+         f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
+        (a.iterations >= 0, "--iterations must be >= 0"),
+        (a.model not in ("tiny", "tiny-scratch") or a.env == "household",
+         f"--model {a.model} knows only the household's words; for --env {a.env} pass a real "
+         "model, e.g. --model Qwen2.5-1.5B-Instruct"),
+        (a.tasks_per_iteration >= 1, "--tasks-per-iteration must be >= 1"),
+        (a.group_size >= 1, "--group-size must be >= 1"),
+        (a.max_episode_steps >= 1, "--max-episode-steps must be >= 1"),
+        (a.learning_rate > 0, "--learning-rate must be > 0"),
+        (a.weight_decay >= 0, "--weight-decay must be >= 0"),
+        (0 < a.clip_eps < 1, "--clip-eps must be in (0, 1)"),
+        (a.clip_ratio_c is None or a.clip_ratio_c > 1, "--clip-ratio-c must be > 1"),
+        (a.kl_coef >= 0, "--kl-coef must be >= 0"),
+        (a.entropy_coef >= 0, "--entropy-coef must be >= 0"),
+        (a.ppo_epochs >= 1, "--ppo-epochs must be >= 1"),
+        (a.minibatch_size >= 1, "--minibatch-size must be >= 1"),
+        (a.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
+        (a.max_grad_norm > 0, "--max-grad-norm must be > 0"),
+        (a.rollout_temperature > 0,
+         "--rollout-temperature must be > 0: the N trajectories of a group must be sampled"),
+        (0 < a.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
+        (a.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (a.max_prompt_tokens >= 1, "--max-prompt-tokens must be >= 1"),
+        (a.history_length >= 0, "--history-length must be >= 0"),
+        (a.score_alpha >= 0, "--score-alpha must be >= 0"),
+        (a.fail_threshold >= 0, "--fail-threshold must be >= 0"),
+        (0 <= a.success_threshold <= 1, "--success-threshold must be in [0, 1]"),
+        (a.novelty_decay >= 0, "--novelty-decay must be >= 0"),
+        (a.max_rollouts >= 1, "--max-rollouts must be >= 1"),
+        (a.step_invalid_penalty >= 0, "--step-invalid-penalty must be >= 0"),
+        (a.max_paths >= 1, "--max-paths must be >= 1"),
+        (a.generations_per_task >= 1, "--generations-per-task must be >= 1"),
+        (a.fixed_novelty_weight is None or 0 <= a.fixed_novelty_weight <= 0.5,
+         "--fixed-novelty-weight must be in [0, 0.5]"),
+        (a.invalid_action_penalty >= 0, "--invalid-action-penalty must be >= 0"),
+        (a.lora_r >= 1, "--lora-r must be >= 1"),
+        (a.lora_alpha > 0, "--lora-alpha must be > 0"),
+        (0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
+        (a.bc_epochs >= 0, "--bc-epochs must be >= 0"),
+        (a.bc_num_tasks >= 1, "--bc-num-tasks must be >= 1"),
+        (0 <= a.bc_noise <= 1, "--bc-noise must be in [0, 1]"),
+        (a.bc_prompt_loss_weight >= 0, "--bc-prompt-loss-weight must be >= 0"),
+        (a.bc_learning_rate > 0, "--bc-learning-rate must be > 0"),
+        (a.bc_batch_size >= 1, "--bc-batch-size must be >= 1"),
+        (len(a.eval_splits) >= 1, "--eval-splits needs at least one split"),
+        (all(s in envs.SPLITS[a.env] for s in a.eval_splits),
+         f"--eval-splits must be among {', '.join(envs.SPLITS[a.env])} for --env {a.env}"),
+        (a.eval_every >= 1, "--eval-every must be >= 1"),
+        (a.eval_num_tasks >= 0, "--eval-num-tasks must be >= 0 (0 = the whole split)"),
+        (a.eval_temperature >= 0, "--eval-temperature must be >= 0 (0 = greedy)"),
+        (a.save_every >= 1, "--save-every must be >= 1"),
+        (0 < a.vllm_gpu_memory_utilization <= 1,
+         "--vllm-gpu-memory-utilization must be in (0, 1]"),
+        (a.backend == "hf" or a.device.startswith("cuda"),
+         "--backend vllm needs a CUDA GPU; use --backend hf on CPU"),
+    ]
+    return [message for ok, message in rules if not ok]
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Command line -> Args. Defaults are the presets of the --model and --env given; with
+    --resume, the run's saved configuration, which flags on the command line may not contradict
+    (only --iterations may change, with a printed note)."""
+    import argparse
+
+    import tyro
+
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--model", default="tiny")
+    peek.add_argument("--env", default="household")
+    peek.add_argument("--resume", default=None)
+    known, _ = peek.parse_known_args(argv)
+    if known.resume is None:
+        env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
+        return tyro.cli(Args, args=argv, default=preset_args(known.model, env))
+    config_file = os.path.join(known.resume, "config.json")
+    if not os.path.isdir(known.resume):
+        raise UsageError(f"--resume {known.resume}: no such run directory")
+    if not os.path.isfile(config_file):
+        raise UsageError(f"--resume {known.resume}: no config.json in it (not a run directory of "
+                         "this script?)")
+    with open(config_file) as f:
+        saved = json.load(f)["args"]
+    unknown = sorted(set(saved) - {f.name for f in fields(Args)})
+    if unknown:
+        raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
+                         f"the script does not know: {', '.join(unknown)}")
+    defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household")))
+    merged = {**defaults, **saved}
+    saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
+    args = tyro.cli(Args, args=argv, default=saved)
+    overridable = ("iterations", "device")
+    changed = [f.name for f in fields(Args) if f.name not in ("resume", *overridable)
+               and getattr(args, f.name) != getattr(saved, f.name)]
+    if changed:
+        contradictions = [f"--{n.replace('_', '-')} {getattr(args, n)} "
+                          f"(saved: {getattr(saved, n)})" for n in changed]
+        raise UsageError("--resume continues the saved configuration; these flags contradict it: "
+                         + ", ".join(contradictions))
+    for name in overridable:
+        given, before = getattr(args, name), getattr(saved, name)
+        if given != before:
+            print(f"note: --{name} {given} overrides the saved {before}")
+    return args
+
+
+# ---- 2. Prompts and action parsing --------------------------------------------------------------
+PROMPT_INTRO = "You are an agent in a household. Your task is to: {task}"
+PROMPT_HISTORY = "You have taken {steps} step(s). Your last {k} observation(s) and action(s):"
+PROMPT_NOW = "Step {step}. Current observation: {obs}\nAdmissible actions: {actions}"
+ASK_REASONING = ("First think step by step inside <think> </think>, then give exactly one "
+                 "admissible action inside <action> </action>.")
+ASK_ACTION = "Reply with exactly one admissible action inside <action> </action>."
+PROMPT_WORDS = re.findall(r"[a-z]+", " ".join([PROMPT_INTRO, PROMPT_HISTORY, PROMPT_NOW,
+                                               ASK_REASONING, ASK_ACTION,
+                                               "observation action"]).lower())
+
+
+def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible: list[str],
+                 step: int, history_length: int, reasoning: bool) -> str:
+    """The user message at one step: task, last `history_length` (obs, action) pairs, current
+    observation and admissible actions (the GiGPO/ProxMO ALFWorld template, in our own words)."""
+    lines = [PROMPT_INTRO.format(task=task)]
+    recent = history[-history_length:] if history_length > 0 else []
+    if recent:
+        lines.append(PROMPT_HISTORY.format(steps=len(history), k=len(recent)))
+        first = len(history) - len(recent) + 1
+        for k, (past_obs, past_action) in enumerate(recent):
+            lines.append(f"[observation {first + k}] {past_obs} "
+                         f"[action {first + k}] {past_action}")
+    lines.append(PROMPT_NOW.format(step=step, obs=obs, actions=", ".join(admissible)))
+    lines.append(ASK_REASONING if reasoning else ASK_ACTION)
+    return "\n".join(lines)
+
+
+_warned_history_cut = False
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of `text` as the user turn of a chat, followed by the assistant's header."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer(chat, add_special_tokens=False).input_ids
+
+
+def encode_prompt(args: Args, tokenizer, task: str, history: list[tuple[str, str]], obs: str,
+                  admissible: list[str], step: int) -> list[int]:
+    """Prompt ids of one step, at most --max-prompt-tokens long. A prompt that is too long drops
+    its oldest history pairs first (with a warning, once); the chat header, the task, the current
+    observation and the admissible actions are never cut. Without any history still too long: a
+    UsageError naming the sizes and the flags to change."""
+    global _warned_history_cut
+    shown = min(args.history_length, len(history))
+    for k in range(shown, -1, -1):
+        text = build_prompt(task, history, obs, admissible, step, k, args.reasoning)
+        ids = chat_ids(tokenizer, text)
+        if len(ids) <= args.max_prompt_tokens:
+            if k < shown and not _warned_history_cut:
+                _warned_history_cut = True
+                print(f"warning: a prompt with {shown} history pair(s) exceeded "
+                      f"--max-prompt-tokens {args.max_prompt_tokens}; it keeps only the last {k} "
+                      "(raise --max-prompt-tokens or lower --history-length)", file=sys.stderr)
+            return ids
+    raise UsageError(f"a prompt of {len(ids)} tokens without any history (task, observation and "
+                     f"{len(admissible)} admissible actions) exceeds --max-prompt-tokens "
+                     f"{args.max_prompt_tokens}; raise --max-prompt-tokens")
+
+
+ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
+
+
+def parse_action(response: str) -> str | None:
+    """The lowercased text of the last <action>...</action>, or None when there is none."""
+    found = ACTION_RE.findall(response)
+    if not found:
+        return None
+    action = " ".join(found[-1].strip().strip('"').lower().split())
+    return action or None
+
+
+THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+CHINESE_RE = re.compile(r"[\u4e00-\u9fff]")
+
+
+def is_well_formed(response: str, reasoning: bool) -> bool:
+    """The spec's (and verl-agent's) validity flag of a reply: an <action>...</action>, with
+    `reasoning` also a <think>...</think>, and no Chinese characters. Whether the action is
+    admissible is the environment's business (grounding), not this flag's."""
+    if parse_action(response) is None or CHINESE_RE.search(response):
+        return False
+    return not reasoning or THINK_RE.search(response) is not None
+
+
+# ---- 3. State scores and step rewards (pure functions) ------------------------------------------
+@dataclass
+class Counts:
+    """A state's statistics: finished paths that went through it, and how many of them won."""
+    n_total: int = 0
+    n_success: int = 0
+
+    @property
+    def n_fail(self) -> int:
+        return self.n_total - self.n_success
+
+
+def annealing_lambda(t: int, alpha: float = 50.0) -> float:
+    """lambda_t = alpha ln t (Eq. 1), t = 1 + the finished paths so far (t >= 1; lambda_1 = 0)."""
+    if t < 1:
+        raise ValueError(f"t counts 1 + the finished paths and must be >= 1, got {t}")
+    return alpha * math.log(t)
+
+
+def state_score(c: Counts, t: int, alpha: float = 50.0, xi: int = 10, zeta: float = 0.1,
+                eps: float = 1e-6) -> float:
+    """Eq. 1: S = gate * exp(-lambda_t p), p = N_suc / (N_tot + eps), gate open when
+    N_fail < xi or p > zeta (strict, on the eps-smoothed p: 2 wins in 20 closes it). An unvisited
+    state scores 1.0, a closed gate exactly 0.0."""
+    if c.n_total == 0:
+        return 1.0
+    p = c.n_success / (c.n_total + eps)
+    if not (c.n_fail < xi or p > zeta):
+        return 0.0
+    return math.exp(-annealing_lambda(t, alpha) * p)
+
+
+def rollout_count(score: float, k_max: int = 8) -> int:
+    """Eq. 3: n = ceil(K_max S). 0 cuts the branch, 1 steps on without training, >= 2 is a group
+    that trains."""
+    return int(math.ceil(k_max * score))
+
+
+def novelty_weight(n_total: int, k: float = 0.1) -> float:
+    """w(N) = 0.5 exp(-k N) (Eq. 2), N = finished paths through the source state."""
+    return 0.5 * math.exp(-k * n_total)
+
+
+def step_reward(score_t: float, score_next: float, n_total_t: int, changed: bool, success: bool,
+                valid: bool = True, k: float = 0.1, invalid_penalty: float = 0.1, *,
+                novelty: bool = True, score_difference: bool = True,
+                fixed_weight: float | None = None) -> float:
+    """Eq. 2: w R_novel + (0.5 - w)(S(s_t) - S(s_t+1)) + 0.5 R_succ, minus invalid_penalty for a
+    malformed reply. w = novelty_weight(n_total_t, k), or fixed_weight. novelty=False and
+    score_difference=False drop their terms (the paper's ablations; their weights stay)."""
+    w = novelty_weight(n_total_t, k) if fixed_weight is None else fixed_weight
+    reward = 0.5 * float(success)
+    if novelty:
+        reward += w * float(changed)
+    if score_difference:
+        reward += (0.5 - w) * (score_t - score_next)
+    if not valid:
+        reward -= invalid_penalty
+    return reward
+
+
+def transition_rewards(stats: dict[str, Counts], key_t: str, next_keys: list[str],
+                       successes: list[bool], valids: list[bool], t: int, alpha: float = 50.0,
+                       xi: int = 10, zeta: float = 0.1, eps: float = 1e-6, k: float = 0.1,
+                       invalid_penalty: float = 0.1, terminals: list[bool] | None = None,
+                       **terms) -> list[float]:
+    """The step rewards of the n transitions sampled at state key_t, all scores read from `stats`
+    as it is (a read only: a missing key is an unvisited state, and no entry is created).
+    Child i: step_reward(S(key_t), S_next_i, N_tot(key_t), next_keys[i] != key_t, successes[i],
+    valids[i]), S_next_i = 1.0 if terminals[i] (None: none is terminal) else S(next_keys[i]).
+    terms: novelty, score_difference, fixed_weight of step_reward."""
+    empty = Counts()
+    source = stats.get(key_t, empty)
+    score_t = state_score(source, t, alpha, xi, zeta, eps)
+    terminals = terminals or [False] * len(next_keys)
+    rewards = []
+    for key, success, valid, terminal in zip(next_keys, successes, valids, terminals):
+        score_next = 1.0 if terminal else state_score(stats.get(key, empty), t, alpha, xi, zeta,
+                                                      eps)
+        rewards.append(step_reward(score_t, score_next, source.n_total, key != key_t, success,
+                                   valid, k, invalid_penalty, **terms))
+    return rewards
+
+
+def group_advantages(rewards: list[float] | Tensor, eps: float = 1e-6,
+                     use_std: bool = True) -> Tensor:
+    """(n,) step rewards of one state's group -> (n,) float64 advantages (Eq. 4):
+    (r - mean) / (std + eps) with the Bessel std, or r - mean without use_std. Empty in, empty
+    out; one reward, or all equal, gives exact zeros."""
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    if r.numel() == 0 or r.max() == r.min():
+        return torch.zeros_like(r)
+    centred = r - r.mean()
+    return centred / (r.std() + eps) if use_std else centred
+
+
+def rank_children(rewards: list[float]) -> list[int]:
+    """Indices of the transitions, best reward first; ties keep the lower index first."""
+    return sorted(range(len(rewards)), key=lambda i: -rewards[i])
+
+
+def update_counters(stats: dict[str, Counts], path_keys: list[str], success: bool) -> None:
+    """A finished path: each distinct key on it gets one more visit, and one more success if it
+    won (missing entries are created)."""
+    for key in dict.fromkeys(path_keys):
+        counts = stats.setdefault(key, Counts())
+        counts.n_total += 1
+        counts.n_success += int(success)
+
+
+def state_key(task_id: str, obs_text: str, share_across_tasks: bool = False) -> str:
+    """sha1 of task_id + newline + observation (or of the observation alone)."""
+    text = obs_text if share_across_tasks else f"{task_id}\n{obs_text}"
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def grpo_advantages(outcomes: Tensor, eps: float = 1e-6, use_std: bool = True) -> Tensor:
+    """(N,) -> (N,) the GRPO baseline's episode advantage, proxmo.py's group_zscore: all equal
+    (N == 1 included) gives exact zeros, else (R - mean) / (population std + eps), or R - mean
+    without use_std. The same value is used for every step of an episode."""
+    outcomes = outcomes.to(torch.float64)
+    if outcomes.numel() == 0 or outcomes.max() == outcomes.min():
+        return torch.zeros_like(outcomes)
+    centred = outcomes - outcomes.mean()
+    return centred / (outcomes.std(unbiased=False) + eps) if use_std else centred
+
+
+def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
+    """The GRPO baseline's per-step advantages (T_i,) of every trajectory of a batch, then
+    --invalid-action-penalty subtracted from each malformed reply's (proxmo.py's rule)."""
+    outcomes = [float(t["won"]) for t in trajectories]
+    members: dict = defaultdict(list)
+    for i, t in enumerate(trajectories):
+        members[t["group"]].append(i)
+    advantages = [torch.empty(0)] * len(trajectories)
+    for idx in members.values():
+        group_outcomes = torch.tensor([outcomes[i] for i in idx], dtype=torch.float64)
+        episode = grpo_advantages(group_outcomes, use_std=args.use_std)
+        for k, i in enumerate(idx):
+            advantages[i] = episode[k].expand(len(trajectories[i]["steps"]))
+    malformed = [torch.tensor([not s["well_formed"] for s in t["steps"]], dtype=torch.float64)
+                 for t in trajectories]
+    return [a - args.invalid_action_penalty * m for a, m in zip(advantages, malformed)]
+
+
+# ---- 4. The ranked backtracking search (Algorithm 1) --------------------------------------------
+NOTHING_HAPPENS = "Nothing happens."  # both environments' answer to a command that changed nothing
+
+
+@dataclass
+class StateTable:
+    """Algorithm 1's global statistics, kept across tasks, iterations and checkpoints."""
+    counts: dict[str, Counts] = field(default_factory=dict)  # state key -> Counts
+    t: int = 1  # 1 + the finished paths so far (Eq. 1's t)
+
+
+def score_of(args: Args, table: StateTable, key: str) -> float:
+    return state_score(table.counts.get(key, Counts()), table.t, args.score_alpha,
+                       args.fail_threshold, args.success_threshold)
+
+
+def new_search(args: Args, task) -> dict:
+    """A task's search: its game, the frontier stack holding the first state, and the budgets
+    used. A node is a state to expand: the game's snapshot there, its observation, the (obs,
+    action) history that led to it, and the keys of the states on its path from the root."""
+    game = envs.make_game(args.env, task, args.max_episode_steps)
+    obs = game.reset()
+    root = {"snapshot": game.snapshot(), "obs": obs, "history": [],
+            "keys": [state_key(str(task), obs, args.share_states_across_tasks)]}
+    return {"task": task, "game": game, "root": root, "frontier": [root], "paths": 0,
+            "generations": 0}
+
+
+def search_active(args: Args, search: dict) -> bool:
+    """Budget left and a state to expand (without backtracking, the first state again)."""
+    within = (search["paths"] < args.max_paths
+              and search["generations"] < args.generations_per_task)
+    return within and (bool(search["frontier"]) or not args.backtracking)
+
+
+def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], table: StateTable,
+                 seconds: dict) -> tuple[list[tuple], list[tuple], list[dict]]:
+    """One synchronous round of Algorithm 1 over the active searches. Each pops its newest node
+    and gets n = ceil(K_max S) actions (Eq. 3), sampled for all searches in one call. Each action
+    is played from a restored copy of the node's state and rewarded from the table as it is
+    (Eq. 2). The children are ranked; terminal ones finish paths. The others are pushed, worst
+    first, so the best is expanded next; a state already pushed by this node, or the node's own,
+    is not pushed twice.
+
+    Returns (samples, finished, records): samples (prompt, response_ids, advantage, logprobs) of
+    every group of n >= 2 (Eq. 4's advantages); finished paths (search index, path keys, won) in
+    order, for update_counters after the round; one record per popped node, for the log. The
+    table is only read."""
+    finished, records, expansions = [], [], []
+    start = time.perf_counter()
+    for index, search in enumerate(searches):
+        if not search_active(args, search):
+            continue
+        if not search["frontier"]:  # --no-backtracking: a new path from the first state
+            search["frontier"].append(search["root"])
+        node = search["frontier"].pop()
+        score = score_of(args, table, node["keys"][-1])
+        n = rollout_count(score, args.max_rollouts)  # Eq. 3
+        if args.uniform_rollouts and n > 0:
+            n = args.max_rollouts
+        records.append({"score": score, "rollouts": n, "depth": len(node["history"])})
+        if n == 0:  # the score reached zero: this path ends here, lost
+            finished.append((index, node["keys"], False))
+            continue
+        game = search["game"]
+        game.restore(node["snapshot"])
+        prompt = encode_prompt(args, tokenizer, game.task_description, node["history"],
+                               node["obs"], game.admissible_actions(), len(node["history"]) + 1)
+        expansions.append((index, node, n, prompt, records[-1]))
+        search["generations"] += n
+    seconds["prompts"] += time.perf_counter() - start
+    if not expansions:
+        return [], finished, records
+    start = time.perf_counter()
+    prompts = [prompt for _, _, n, prompt, _ in expansions for _ in range(n)]
+    responses, logprobs = policy.generate(prompts, args.rollout_temperature)
+    logprobs = logprobs or [None] * len(prompts)
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    seconds["generation"] += time.perf_counter() - start
+    samples, first = [], 0
+    for index, node, n, prompt, record in expansions:
+        search, rows = searches[index], range(first, first + n)
+        first += n
+        key, game = node["keys"][-1], search["game"]
+        start = time.perf_counter()
+        children = []
+        for row in rows:
+            parsed = parse_action(texts[row])
+            # No <action> tag: the env gets the reply's tail, which is never admissible.
+            command = parsed if parsed is not None else texts[row][-30:]
+            game.restore(node["snapshot"])
+            obs, _, done, info = game.step(command)
+            child_key = key if obs == NOTHING_HAPPENS else state_key(
+                str(search["task"]), obs, args.share_states_across_tasks)
+            children.append({"obs": obs, "command": command, "key": child_key, "done": done,
+                             "won": bool(info["won"]), "valid": bool(info["valid"]),
+                             "well_formed": is_well_formed(texts[row], args.reasoning),
+                             "snapshot": None if done else game.snapshot()})
+        seconds["env"] += time.perf_counter() - start
+        rewards = transition_rewards(  # Eq. 2, every score from the round's table
+            table.counts, key, [c["key"] for c in children], [c["won"] for c in children],
+            [c["well_formed"] for c in children], table.t, args.score_alpha, args.fail_threshold,
+            args.success_threshold, k=args.novelty_decay,
+            invalid_penalty=args.step_invalid_penalty,
+            terminals=[c["done"] for c in children], novelty=args.novelty_reward,
+            score_difference=args.score_difference_reward, fixed_weight=args.fixed_novelty_weight)
+        order = rank_children(rewards)
+        pushed, seen_keys = [], {key}
+        for i in order:
+            child = children[i]
+            if child["done"]:  # won, or lost at the step limit: a finished path
+                finished.append((index, node["keys"], child["won"]))
+            elif child["key"] not in seen_keys:
+                seen_keys.add(child["key"])
+                pushed.append(child)
+        if not args.backtracking:
+            pushed = pushed[:1]
+        for child in reversed(pushed):  # ascending rank: the best ends on top of the stack
+            search["frontier"].append({
+                "snapshot": child["snapshot"], "obs": child["obs"],
+                "history": node["history"] + [(node["obs"], child["command"])],
+                "keys": node["keys"] + [child["key"]]})
+        if n >= 2:  # a group of one proceeds without training
+            advantages = group_advantages(rewards, use_std=args.use_std)  # Eq. 4
+            samples += [(prompt, responses[row], float(a), logprobs[row])
+                        for row, a in zip(rows, advantages)]
+        record.update(rewards=rewards, valid=[c["valid"] for c in children],
+                      well_formed=[c["well_formed"] for c in children],
+                      won=[c["won"] for c in children if c["done"]])
+    return samples, finished, records
+
+
+# ---- 5. Policy loss (Eq. 4) ---------------------------------------------------------------------
+def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
+    exponential, like k3_kl)."""
+    return torch.exp(torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp)))
+
+
+def k3_kl(ref_logp: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
+    """(B, L) -> (B, L) k3 estimate of KL(pi || ref) per token, exp(d) - d - 1 with d = ref - logp
+    ("low_var_kl", clamped to [-10, 10]); 0 at masked positions. The difference is masked before
+    the exponential: a padded position must not overflow to inf, whose gradient is NaN even
+    behind a zero mask."""
+    log_ratio = torch.where(mask.bool(), ref_logp - logp, torch.zeros_like(logp))
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10)
+
+
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: Tensor,
+                  mask: Tensor, clip_eps: float = 0.2, kl_coef: float = 0.01,
+                  entropy: Tensor | None = None, entropy_coef: float = 0.0,
+                  clip_ratio_c: float | None = None) -> Tensor:
+    """Token-level clipped surrogate (Eq. 4) + k3 KL to the reference - entropy bonus,
+    token-mean over mask.
+
+    logp, old_logp, ref_logp, mask (and entropy): (B, L); advantages: (B,) one value per step,
+    used for every token of its response, or (B, L). Values at masked positions never matter.
+    clip_ratio_c: dual clip, the loss of a token with A < 0 is at most -c * A."""
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    ratio = policy_ratio(logp, old_logp, mask)
+    pg_loss = -torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    if clip_ratio_c is not None:
+        bounded = torch.min(pg_loss, -clip_ratio_c * advantages)
+        pg_loss = torch.where(advantages < 0, bounded, pg_loss)
+    per_token = pg_loss + kl_coef * k3_kl(ref_logp, logp, mask)
+    if entropy is not None and entropy_coef:
+        per_token = per_token - entropy_coef * entropy
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+# ---- 6. Rollouts --------------------------------------------------------------------------------
+class Policy:
+    """What a rollout needs to act: the model, its tokenizer and the chosen generation backend."""
+
+    def __init__(self, args: Args, model, tokenizer, engine=None):
+        self.args, self.model, self.tokenizer, self.engine = args, model, tokenizer, engine
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.adapter_path, self.adapter_version = "", 0
+
+    def sync(self, run_path: str) -> None:
+        """vLLM reads the adapter from disk: write the current one under a new version id (one
+        process writes it, every process has the same weights)."""
+        if self.engine is not None:
+            self.adapter_version += 1
+            self.adapter_path = os.path.join(run_path, "vllm_adapter")
+            if PartialState().is_main_process:
+                self.model.save_pretrained(self.adapter_path)
+            PartialState().wait_for_everyone()
+
+    def generate(self, prompts: list[list[int]], temperature: float,
+                 top_p: float = 1.0) -> tuple[list[list[int]], list | None]:
+        """(responses, log-probs of their tokens or None). Sampling with the hf backend and
+        without top-p (every training rollout) records the log-probs the tokens were drawn with:
+        PPO's old log-probs without another forward pass. vLLM's (bf16, other kernels) would
+        differ from the trainer's: None, and the update scores the responses itself, as veRL
+        does."""
+        a = self.args
+        if self.engine is not None:
+            responses = vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
+                                      adapter_version=self.adapter_version, eos_ids=self.eos_ids,
+                                      max_new_tokens=a.max_new_tokens, temperature=temperature,
+                                      top_p=top_p)
+            return responses, None
+        record = temperature > 0 and top_p == 1
+        out = hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
+                          eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
+                          temperature=temperature, top_p=top_p,
+                          batch_size=max(a.micro_batch_size, 64), return_logprobs=record)
+        return out if record else (out, None)
+
+
+def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
+            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
+            seconds: dict | None = None) -> list[dict]:
+    """Play one game per task in lock-step until all finish.
+
+    With expert_rng given (and policy None), the env's expert acts instead of the policy
+    (behavior-cloning data): each step records the expert's action as "label", but with
+    probability args.bc_noise a mistake is executed instead (see _perturb).
+
+    Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
+    [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
+    None), "state" (raw observation = anchor text), "action" (executed), "next_state" (the
+    observation it got), "valid" (admissible, from the env), "parsed" (the reply had an <action>
+    tag), "well_formed" (see is_well_formed), "label"}]}.
+    seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
+    seconds = defaultdict(float) if seconds is None else seconds
+    expert = expert_rng is not None
+    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert) for t in tasks]
+    batch = EnvBatch(games)
+    batch.reset()
+    trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
+              "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+    while batch.active():
+        active = batch.active()
+        start = time.perf_counter()
+        prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
+                                 batch.observations[i], games[i].admissible_actions(),
+                                 len(trajs[i]["steps"]) + 1)
+                   for i in active]
+        seconds["prompts"] += time.perf_counter() - start
+        start = time.perf_counter()
+        if expert:
+            responses = logprobs = [None] * len(active)
+            # An expert that gave up (label None) only looks around; BC skips those steps.
+            labels = [games[i].expert_action() for i in active]
+            commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise, expert_rng)
+                        if label is not None else "look" for i, label in zip(active, labels)]
+            well_formed = has_action = [True] * len(active)
+        else:
+            responses, logprobs = policy.generate(prompts, temperature, top_p)
+            logprobs = logprobs or [None] * len(active)
+            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            parsed = [parse_action(t) for t in texts]
+            # No <action> tag: the env gets the reply's tail, which is never admissible.
+            commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
+            labels = [None] * len(active)
+            has_action = [p is not None for p in parsed]
+            well_formed = [is_well_formed(t, args.reasoning) for t in texts]
+        seconds["generation"] += time.perf_counter() - start
+        states = {i: batch.observations[i] for i in active}
+        start = time.perf_counter()
+        results = batch.step(dict(zip(active, commands)))
+        seconds["env"] += time.perf_counter() - start
+        for k, i in enumerate(active):
+            obs, reward, done, info = results[i]
+            tr = trajs[i]
+            tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
+                                "logprobs": logprobs[k], "state": states[i], "action": commands[k],
+                                "next_state": obs, "valid": bool(info["valid"]),
+                                "parsed": has_action[k], "well_formed": well_formed[k],
+                                "label": labels[k]})
+            tr["rewards"].append(reward)
+            tr["history"].append((states[i], commands[k]))
+            tr["won"] = bool(info["won"])
+    for tr in trajs:
+        del tr["history"]
+    return trajs
+
+
+def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
+    """The command a noisy expert executes: its own with probability 1 - noise; else, half the
+    time, the previous command again (the typical mistake, usually answered "Nothing happens."),
+    and otherwise a random admissible one."""
+    if rng.random() >= noise:
+        return label
+    if history and rng.random() < 0.5:
+        return history[-1][1]
+    return rng.choice(game.admissible_actions())
+
+
+# ---- 7. Behavior cloning on expert trajectories -------------------------------------------------
+def expert_response(action: str, reasoning: bool) -> str:
+    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
+            else f"<action>{action}</action>")
+
+
+def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+            prompt_weight: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(loss, response_loss): mean cross-entropy of the response tokens, plus prompt_weight times
+    the mean next-token cross-entropy of the prompt tokens ("train on inputs").
+
+    Why the prompt term: the prompts are full of repeats (the admissible actions name what the
+    observations saw), so predicting them teaches a randomly initialised model to copy from its
+    context, which the actions need, in far fewer updates. A pretrained model needs no such help
+    (prompt_weight 0: only the response logits are computed)."""
+    if prompt_weight == 0:
+        logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
+        response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+        return response_loss, response_loss
+    device = next(model.parameters()).device
+    input_ids, attention, position_ids, _, response_mask = (
+        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
+                                            reduction="none")
+    # (B, L-1): the target and its context are real tokens
+    valid = (attention[:, 1:] * attention[:, :-1]).float()
+    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
+    # nll[:, P-1:].
+    split = input_ids.shape[1] - response_mask.shape[1] - 1
+    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
+    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
+    return response_loss + prompt_weight * prompt_loss, response_loss
+
+
+def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
+    """SFT on the env expert's trajectories: cross-entropy on the response tokens (plus, with
+    --bc-prompt-loss-weight, on the prompt tokens; see bc_loss). Trains the parameters of `model`
+    that require grad (a LoRA adapter, or all of them) in place."""
+    rng = random.Random(args.seed + 1)
+    tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
+    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
+    samples = []
+    for tr in demos:
+        for s in [s for s in tr["steps"] if s["label"] is not None]:
+            response = tokenizer(expert_response(s["label"], args.reasoning),
+                                 add_special_tokens=False).input_ids
+            samples.append((s["prompt"], response + [tokenizer.eos_token_id]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
+    window = 16 * args.bc_batch_size
+    batches_per_epoch = sum(math.ceil(min(window, len(samples) - w) / args.bc_batch_size)
+                            for w in range(0, len(samples), window))
+    total_steps = args.bc_epochs * batches_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(total_steps, 1))
+    print(f"behavior cloning: {len(demos)} expert trajectories, {len(samples)} steps, "
+          f"{args.bc_epochs} epochs, {total_steps} updates")
+    model.train()
+    progress = Progress(total_steps, "bc")
+    loss_value = float("nan")
+    lengths = [len(p) + len(r) for p, r in samples]
+    for _ in range(args.bc_epochs):
+        # Batches of similar length (less padding), visited in random order; members drawn from a
+        # random window of 16 batches so that each batch still mixes tasks.
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        batches = [b for w in range(0, len(order), window)
+                   for b in length_sorted_chunks(order[w:w + window], lengths, args.bc_batch_size)]
+        rng.shuffle(batches)
+        for batch in batches:
+            chunk = [samples[i] for i in batch]
+            loss, response_loss = bc_loss(model, [c[0] for c in chunk], [c[1] for c in chunk],
+                                          tokenizer.pad_token_id, args.bc_prompt_loss_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            check_finite(f"behavior cloning, update {progress.count + 1}", loss=loss.item(),
+                         grad_norm=grad_norm.item())
+            optimizer.step()
+            scheduler.step()
+            loss_value = response_loss.item()
+            progress.update(1, loss=loss_value)
+    progress.close()
+    return {"bc/loss": loss_value, "bc/steps": len(samples),
+            "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
+
+
+# ---- 8. Evaluation ------------------------------------------------------------------------------
+def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
+    """Success rate overall and per task type, and grounding accuracy: the share of admissible
+    actions over all steps, and its mean over trajectories (SPA's definition). With several
+    processes each plays its share of the tasks; the stats are of all."""
+    dist = PartialState()
+    share = process_share(len(tasks), dist.process_index, dist.num_processes)
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
+                        args.eval_temperature, args.eval_top_p)
+    trajs = gather_object([summarize(t) for t in trajs])
+    by_type: dict[str, list[bool]] = defaultdict(list)
+    for t in trajs:
+        by_type[t["task_type"]].append(t["won"])
+    steps = [s for t in trajs for s in t["steps"]]
+    stats = {f"eval_{split}/success": float(np.mean([t["won"] for t in trajs])),
+             f"eval_{split}/grounding": float(np.mean([s["valid"] for s in steps])),
+             f"eval_{split}/grounding_per_trajectory": float(np.mean(
+                 [np.mean([s["valid"] for s in t["steps"]]) for t in trajs])),
+             f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
+             f"eval_{split}/tasks": len(trajs)}
+    for task_type, wins in sorted(by_type.items()):
+        stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
+    return stats
+
+
+# ---- 9. Training loop ---------------------------------------------------------------------------
+# Data parallel (`accelerate launch --num_processes K <script>.py ...`): every process holds the
+# same policy, plays a contiguous share of each iteration's task groups (a group never straddles
+# two processes) and of the evaluation tasks, and sums its gradients with the others' before
+# every optimizer step. `python <script>.py` is one process, and none of this communicates.
+def process_share(n: int, index: int, count: int) -> range:
+    """The contiguous block of range(n) that process `index` of `count` takes (sizes differ by at
+    most one; in process order the blocks are range(n))."""
+    return range(n * index // count, n * (index + 1) // count)
+
+
+def summarize(traj: dict) -> dict:
+    """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
+    steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
+    return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
+
+
+def sum_across_processes(params: list[Tensor], loss: float) -> float:
+    """Replace each parameter's gradient by its sum over processes (one all-reduce), and return
+    the summed loss. Each process's loss is already divided by the mini-batch's token count over
+    all processes, so the sums are the token-mean of the whole mini-batch."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    loss_row = torch.tensor([loss], device=grads[0].device)
+    flat = reduce(torch.cat([g.float().flatten() for g in grads] + [loss_row]), "sum")
+    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+        p.grad = g.view_as(p).to(p.dtype)
+    return flat[-1].item()
+
+
+def check_finite(where: str, **values: float) -> None:
+    """Stop the run, before the optimizer step, when a loss or gradient norm is NaN or inf."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        found = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise FloatingPointError(f"{where}: non-finite {found}; stopped before the optimizer "
+                                 "step, the weights are unchanged")
+
+
+def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
+    """Split `indices` into chunks of `size` after sorting them by length, so that padding to the
+    longest member of a chunk wastes little compute."""
+    ordered = sorted(indices, key=lambda i: lengths[i])
+    return [ordered[k:k + size] for k in range(0, len(ordered), size)]
+
+
+def pad_rows(rows: list[Tensor], length: int) -> Tensor:
+    """Stack 1-D tensors right-padded with 0 to `length` -> (len(rows), length). The padded
+    values never count: every loss and metric masks them before use."""
+    return torch.stack([torch.nn.functional.pad(r, (0, length - len(r))) for r in rows])
+
+
+def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
+                  generator: torch.Generator, iteration: int) -> dict:
+    """PPO over the step samples (prompt_ids, response_ids, advantage, old_logprobs or None): the
+    old log-probs recorded at sampling time, else scored here, and the reference log-probs first,
+    then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation.
+
+    With several processes, `samples` is this process's share, in process order, of one batch:
+    the mini-batches are drawn from the whole batch exactly as one process would draw them, each
+    process computes the gradient of its members, and the sum over processes is the update."""
+    pad, mb = tokenizer.pad_token_id, args.micro_batch_size
+    dist = PartialState()
+    # Every process's response lengths, in process order: a mini-batch's token count over the
+    # whole batch, and where this process's samples start in it.
+    lengths_by_process = gather_object([[len(s[1]) for s in samples]])
+    all_lengths = [n for lengths in lengths_by_process for n in lengths]
+    first = sum(len(lengths) for lengths in lengths_by_process[:dist.process_index])
+    temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
+    device = next(model.parameters()).device
+    lengths = [len(p) + len(r) for p, r, _, _ in samples]
+
+    def logprobs_no_grad(reference: bool) -> list[Tensor]:
+        out: list[Tensor] = [torch.empty(0)] * len(samples)
+        with torch.no_grad():
+            for idx in length_sorted_chunks(list(range(len(samples))), lengths, mb):
+                prompts, responses = [samples[i][0] for i in idx], [samples[i][1] for i in idx]
+                with model.disable_adapter() if reference else contextlib.nullcontext():
+                    lp, _, _ = response_logprobs(model, prompts, responses, pad,
+                                                 temperature=temperature)
+                for row, i in zip(lp, idx):
+                    out[i] = row[:len(samples[i][1])]
+        return out
+
+    model.eval()  # no dropout when scoring the rollout policy
+    began = time.perf_counter()
+    if all(s[3] is not None for s in samples):
+        old_logp = [torch.tensor(s[3]) for s in samples]
+    else:
+        old_logp = logprobs_no_grad(False)
+    seconds = {"old_logprobs": time.perf_counter() - began}
+    # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
+    began = time.perf_counter()
+    ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
+    seconds["ref_logprobs"] = time.perf_counter() - began
+    model.train()
+    began = time.perf_counter()
+    params = [p for p in model.parameters() if p.requires_grad]
+    stats = defaultdict(list)
+    for epoch in range(args.ppo_epochs):
+        order = torch.randperm(len(all_lengths), generator=generator).tolist()
+        for start in range(0, len(order), args.minibatch_size):
+            members = order[start:start + args.minibatch_size]  # indices into the whole batch
+            n_tokens = sum(all_lengths[i] for i in members)
+            mini = [i - first for i in members if first <= i < first + len(samples)]
+            optimizer.zero_grad(set_to_none=True)
+            minibatch_loss = 0.0
+            # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
+            for idx in length_sorted_chunks(mini, lengths, mb):
+                logp, mask, entropy = response_logprobs(
+                    model, [samples[i][0] for i in idx], [samples[i][1] for i in idx], pad,
+                    with_entropy=args.entropy_coef > 0, temperature=temperature)
+                mask = mask.to(device)
+                old = pad_rows([old_logp[i] for i in idx], logp.shape[1]).to(device)
+                ref = pad_rows([ref_logp[i] for i in idx], logp.shape[1]).to(device)
+                adv = torch.tensor([samples[i][2] for i in idx], dtype=torch.float32,
+                                   device=device)
+                loss = ppo_clip_loss(logp, old, ref, adv, mask, args.clip_eps, args.kl_coef,
+                                     entropy, args.entropy_coef, args.clip_ratio_c)
+                share = loss * mask.sum() / n_tokens  # token-mean over the whole mini-batch
+                share.backward()
+                minibatch_loss += share.item()
+                with torch.no_grad():
+                    ratio = policy_ratio(logp, old, mask)
+                    clipped = ((ratio - 1).abs() > args.clip_eps).float()
+                    stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
+                    if args.kl_coef > 0:  # else `ref` is the rollout policy, not the reference
+                        kl = (k3_kl(ref, logp, mask) * mask).sum() / mask.sum()
+                        stats["kl_ref"].append(kl.item())
+            if dist.num_processes > 1:
+                minibatch_loss = sum_across_processes(params, minibatch_loss)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+            check_finite(f"iteration {iteration}, PPO epoch {epoch + 1}, mini-batch at {start}",
+                         loss=minibatch_loss, grad_norm=grad_norm)
+            stats["loss"].append(minibatch_loss)
+            stats["grad_norm"].append(grad_norm)
+            optimizer.step()
+    seconds["update"] = time.perf_counter() - began
+    means = {k: float(np.mean(v)) for k, v in stats.items()}
+    if dist.num_processes > 1:  # the mean over every process's micro-batches (or mini-batches)
+        names = ["clip_fraction", "grad_norm", "loss"] + (["kl_ref"] if args.kl_coef > 0 else [])
+        sums = torch.tensor([[sum(stats[k]), len(stats[k])] for k in names], dtype=torch.float64,
+                            device=dist.device)
+        sums = reduce(sums, "sum")
+        means = {k: (sums[i, 0] / sums[i, 1]).item() for i, k in enumerate(names)}
+    out = {f"train/{k}": v for k, v in means.items()}
+    out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
+    return out
+
+
+def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, tasks: list,
+                     table: StateTable, iteration: int, seconds: dict, run_path: str,
+                     generator: torch.Generator) -> dict:
+    """One 3SPO iteration: the searches of this process's tasks, in rounds until every search
+    of every process has stopped. After each round: one policy update on the round's groups of
+    all processes (Eq. 4, post-step), then the round's finished paths of all processes go into
+    the counters in process and task order, so that every process keeps the same table.
+    Returns the iteration's logged stats."""
+    began = time.perf_counter()
+    searches = [new_search(args, task) for task in tasks]
+    tracked_before = len(table.counts)
+    records, finished_all, update_stats = [], [], defaultdict(list)
+    rounds = 0
+    while any(gather_object([any(search_active(args, s) for s in searches)])):
+        samples, finished, round_records = search_round(args, tokenizer, policy, searches, table,
+                                                        seconds)
+        rounds += 1
+        if sum(gather_object([len(samples)])):
+            stats = policy_update(args, model, tokenizer, optimizer, samples, generator,
+                                  iteration)
+            policy.sync(run_path)  # vLLM samples the next round with the updated adapter
+            for name, value in stats.items():
+                update_stats[name].append(value)
+        for index, _, _ in finished:
+            searches[index]["paths"] += 1
+        for _, keys, won in gather_object(finished):  # Eq. 1's counts and t
+            update_counters(table.counts, keys, won)
+            table.t += 1
+            finished_all.append(won)
+        records += gather_object(round_records)
+    expanded = [r for r in records if r["rollouts"] > 0]
+    children = [(reward, valid, well_formed) for r in expanded
+                for reward, valid, well_formed in zip(r["rewards"], r["valid"], r["well_formed"])]
+    scores = [score_of(args, table, key) for key in table.counts]
+    # A policy update's seconds add up over the rounds; its losses and ratios are averaged.
+    out = {name: float(np.sum(v) if name.startswith("time/") else np.mean(v))
+           for name, v in update_stats.items()}
+    update_seconds = sum(out.get(f"time/{k}_seconds", 0.0)
+                         for k in ("old_logprobs", "ref_logprobs", "update"))
+    out.update({
+        "rollout/success": float(np.mean(finished_all)) if finished_all else 0.0,
+        "rollout/grounding": float(np.mean([c[1] for c in children])) if children else 0.0,
+        "rollout/well_formed": float(np.mean([c[2] for c in children])) if children else 0.0,
+        "rollout/step_samples": len(children),
+        "time/rollout_seconds": time.perf_counter() - began - update_seconds,
+        "sspo/rounds": rounds,
+        "sspo/updates": len(update_stats.get("train/loss", [])),
+        "sspo/paths": len(finished_all),
+        "sspo/t": table.t,
+        "sspo/states_tracked": len(table.counts),
+        "sspo/new_states": len(table.counts) - tracked_before,
+        "sspo/mean_score": float(np.mean(scores)) if scores else 1.0,
+        "sspo/expanded_score": float(np.mean([r["score"] for r in records])),
+        "sspo/rollouts_per_step": float(np.mean([r["rollouts"] for r in records])),
+        "sspo/truncated_share": float(np.mean([r["rollouts"] == 0 for r in records])),
+        "sspo/untrained_share": float(np.mean([r["rollouts"] == 1 for r in records])),
+        "sspo/depth": float(np.mean([r["depth"] for r in records])),
+        "sspo/reward_mean": float(np.mean([c[0] for c in children])) if children else 0.0})
+    return out
+
+
+def save_checkpoint(path: str, model, base_model: str, args: Args, iteration: int,
+                    trainer_state: dict) -> None:
+    """The LoRA adapter (its config naming the base model), a model card saying how to load it,
+    and trainer_state.pt (optimizer, iteration, every random stream) for --resume."""
+    model.peft_config["default"].base_model_name_or_path = base_model
+    model.save_pretrained(path)
+    with open(os.path.join(path, "README.md"), "w") as f:  # replaces PEFT's empty model card
+        f.write(f"""---
+base_model: {base_model}
+library_name: peft
+---
+# LoRA adapter trained by sspo.py
+
+--advantage {args.advantage}, --env {args.env}, iteration {iteration} of {args.iterations},
+seed {args.seed}. The run's configuration is in ../config.json. To load the policy:
+
+```python
+from common.model import load_lora, load_model_and_tokenizer  # this repository's common/
+model, tokenizer = load_model_and_tokenizer("{base_model}")
+policy = load_lora(model, "{os.path.abspath(path)}")
+```
+""")
+    torch.save(trainer_state, os.path.join(path, "trainer_state.pt"))
+
+
+def main(args: Args) -> dict:
+    errors = validate_args(args)
+    # One process, or one of those `accelerate launch` started (gloo between CPU processes).
+    dist = PartialState(cpu=args.device == "cpu")
+    if dist.num_processes > 1:
+        if args.tasks_per_iteration % dist.num_processes:
+            errors.append(f"--tasks-per-iteration {args.tasks_per_iteration} must be a multiple "
+                          f"of the {dist.num_processes} processes (whole groups per process)")
+        if args.bc_epochs > 0 and not args.resume:
+            errors.append("behavior cloning runs in one process: run `python sspo.py ... "
+                          "--iterations 0` once, then launch RL with --model <its run>/base_model")
+        if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
+            errors.append("--backend vllm runs in one process; with several, use --backend hf")
+        per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", dist.num_processes))
+        if args.device.startswith("cuda") and per_machine > torch.cuda.device_count():
+            errors.append(f"{per_machine} processes on a machine with "
+                          f"{torch.cuda.device_count()} GPUs: one GPU per process (or --device "
+                          "cpu)")
+    if errors:
+        raise UsageError("\n".join(errors))
+    if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
+        sys.stdout = open(os.devnull, "w")
+    if args.group_size == 1 and args.advantage == "grpo":
+        print("warning: --group-size 1: every advantage is 0 (a group of one has no baseline)",
+              file=sys.stderr)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
+    run_name = broadcast_object_list([run_name])[0]  # the main process's clock names the run
+    run_path = args.resume or os.path.join(args.run_dir, run_name)
+    checkpoint = os.path.join(run_path, "checkpoint")
+    state = None  # what --resume continues, checked before anything is written
+    if args.resume:
+        if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
+            raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
+        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        if "streams" not in state:  # saved by one process before data parallel existed
+            state["streams"] = [{"python": state["python_rng"], "numpy": state["numpy_rng"],
+                                 "torch": state["torch_rng"], "cuda": state["cuda_rng"]}]
+        if state["iteration"] >= args.iterations:
+            raise UsageError(f"--resume {args.resume}: the run already did {state['iteration']} "
+                             "iterations; pass a larger --iterations to continue it")
+        if len(state["streams"]) != dist.num_processes:
+            raise UsageError(f"--resume {args.resume}: saved by {len(state['streams'])} "
+                             f"processes, resumed by {dist.num_processes}; their random streams "
+                             "continue only with as many processes")
+    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
+    if args.tasks_per_iteration > len(train_tasks):
+        raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
+                         f"{len(train_tasks)} training tasks")
+    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
+                  for split in args.eval_splits}
+    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
+    print(json.dumps(asdict(args), indent=1))
+
+    # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
+    # then the LoRA adapter trained by RL.
+    base_path = os.path.join(run_path, "base_model")
+    resumed_base = args.resume and os.path.isdir(base_path)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    # Several processes on GPUs: each its own (cuda:<local rank>), as accelerate assigned it.
+    device = str(dist.device) if dist.num_processes > 1 and args.device != "cpu" else args.device
+    model, tokenizer = load_model_and_tokenizer(base_path if resumed_base else args.model,
+                                                vocabulary=vocab, seed=args.seed, dtype=dtype,
+                                                device=device)
+    # Only now the run directory: a run stopped by bad flags or missing data leaves nothing. The
+    # main process alone writes the run directory's config, logs, checkpoints and summary.
+    writer = None
+    if dist.is_main_process:
+        os.makedirs(run_path, exist_ok=True)
+        config_file = os.path.join(run_path, "config.json")
+        command = shlex.join([sys.executable, *sys.argv])
+        record = {"command": command, "args": asdict(args), "resumed_by": [],
+                  "num_processes": dist.num_processes}
+        if args.resume:  # keep the first command; a raised --iterations holds for later resumes
+            with open(config_file) as f:
+                record = {**json.load(f), "args": asdict(args)}
+            record["resumed_by"] = record.get("resumed_by", []) + [command]
+        with open(config_file, "w") as f:
+            json.dump(record, f, indent=1)
+
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, name=os.path.basename(run_path),
+                       config=asdict(args), dir=run_path, sync_tensorboard=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(run_path)
+        writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
+            f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
+
+    def log(stats: dict, step: int) -> None:
+        for k, v in stats.items():
+            if writer is not None:
+                writer.add_scalar(k, v, step)
+
+    targets = args.lora_target_modules
+    if targets != "all-linear":
+        targets = targets.split(",")
+    history: dict = {}
+    if args.bc_epochs > 0 and not args.resume:
+        if not args.bc_full_params:
+            model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+        t0 = time.time()
+        stats = behavior_cloning(args, model, tokenizer, train_tasks)
+        stats["bc/seconds"] = time.time() - t0
+        if not args.bc_full_params:
+            model = merge_lora(model)
+        model.requires_grad_(False)
+        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
+              f"(final loss {stats['bc/loss']:.3f})")
+        log(stats, 0)
+    if (args.bc_epochs > 0 or args.model == "tiny-scratch") and not args.resume:
+        # The model RL starts from exists nowhere else: keep it beside the adapter.
+        if dist.is_main_process:
+            model.save_pretrained(base_path)
+            tokenizer.save_pretrained(base_path)
+        dist.wait_for_everyone()
+    if os.path.isdir(base_path):
+        base_model = os.path.abspath(base_path)
+    else:
+        base_model = resolve_model_name(args.model)[0]
+    if args.resume:
+        model = load_lora(model, checkpoint)
+    else:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+    model.print_trainable_parameters()
+    if dist.num_processes > 1:
+        for p in model.parameters():
+            if p.requires_grad:  # the same start everywhere, whatever each device's init did
+                broadcast(p.data, from_process=0)
+        # Each process samples its own draws; process 0 continues the one-process stream.
+        if dist.process_index > 0:
+            torch.manual_seed(args.seed + 100_003 * dist.process_index)
+
+    engine = None
+    if args.backend == "vllm":
+        engine = make_vllm_engine(base_model, max_lora_rank=args.lora_r,
+                                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                                  max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+                                  seed=args.seed)
+    policy = Policy(args, model, tokenizer, engine)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.learning_rate, weight_decay=args.weight_decay)
+    generator = torch.Generator().manual_seed(args.seed)
+    task_rng = random.Random(args.seed)
+    table = StateTable()
+    start_iteration = 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        task_rng.setstate(state["task_rng"])
+        streams = state["streams"][dist.process_index]
+        random.setstate(streams["python"])
+        np.random.set_state(streams["numpy"])
+        torch.set_rng_state(streams["torch"])
+        if torch.cuda.is_available() and streams["cuda"]:
+            torch.cuda.set_rng_state_all(streams["cuda"])
+        start_iteration, history = state["iteration"], state["history"]
+        table = StateTable({key: Counts(*c) for key, c in state["table"]["counts"].items()},
+                           state["table"]["t"])
+        print(f"resumed from {checkpoint} at iteration {start_iteration}")
+
+    progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
+
+    def run_eval(iteration: int) -> None:
+        policy.sync(run_path)
+        for split, tasks in eval_tasks.items():
+            t0 = time.time()
+            stats = evaluate(args, policy, split, tasks)
+            log(stats, iteration)
+            history.setdefault(iteration, {}).update(stats)
+            per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}"
+                                for k, v in stats.items() if "/success_" in k)
+            progress.write(f"[eval {split} @ iter {iteration}] "
+                           f"success {stats[f'eval_{split}/success']:.3f} "
+                           f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) "
+                           f"[{time.time() - t0:.0f}s]")
+
+    if start_iteration == 0:
+        run_eval(0)
+    for iteration in range(start_iteration + 1, args.iterations + 1):
+        t0 = time.time()
+        batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
+        policy.sync(run_path)
+        my_groups = process_share(len(batch_tasks), dist.process_index, dist.num_processes)
+        seconds = defaultdict(float)
+        if args.advantage == "sspo":
+            # (1) a ranked search over each task, round by round, (2) a policy update after every
+            # round (Eq. 4), (3) the round's finished paths into the counters (Eq. 1).
+            stats = search_and_learn(args, tokenizer, policy, model, optimizer,
+                                     [batch_tasks[g] for g in my_groups], table, iteration,
+                                     seconds, run_path, generator)
+        else:
+            # (1) B tasks x N copies, (2) lock-step rollouts, (3) 0/1 outcomes.
+            tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
+            groups = [g for g in my_groups for _ in range(args.group_size)]
+            trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
+                            seconds=seconds)
+            rollout_seconds = time.time() - t0
+            # (4) GRPO advantages over the whole batch; each process keeps its trajectories'.
+            start = time.perf_counter()
+            batch = gather_object([summarize(t) for t in trajs])
+            first = my_groups.start * args.group_size
+            batch_advantages = compute_advantages(args, batch)
+            advantages = batch_advantages[first:first + len(trajs)]
+            seconds["advantages"] = time.perf_counter() - start
+            samples = [(s["prompt"], s["response_ids"], float(a), s["logprobs"])
+                       for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
+            # (5, 6) old / reference log-probs and the clipped policy-gradient update.
+            stats = policy_update(args, model, tokenizer, optimizer, samples, generator,
+                                  iteration)
+            n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
+            abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
+            steps = [s for tr in batch for s in tr["steps"]]
+            stats.update({
+                "rollout/success": float(np.mean([t["won"] for t in batch])),
+                "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+                "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
+                "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+                "rollout/step_samples": len(steps),
+                "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
+                "time/rollout_seconds": rollout_seconds,
+                "train/advantage_abs_mean": float(np.mean(abs_advantages))})
+        stats["time/iteration_seconds"] = time.time() - t0
+        # Where the iteration's time went: prompts, generation, env, advantages (the policy
+        # update added old_logprobs, ref_logprobs and update); the main process's times.
+        stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
+        log(stats, iteration)
+        progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
+                        kl=stats.get("train/kl_ref", float("nan")),
+                        rollout_s=round(stats["time/rollout_seconds"]),
+                        update_s=round(stats.get("time/update_seconds", 0)),
+                        iter_s=round(stats["time/iteration_seconds"]))
+        if iteration % args.eval_every == 0 or iteration == args.iterations:
+            run_eval(iteration)
+        if iteration % args.save_every == 0 or iteration == args.iterations:
+            # Each process's own random streams, so that a resume continues every one of them.
+            streams = gather_object([{
+                "python": random.getstate(), "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}])
+            if dist.is_main_process:
+                save_checkpoint(checkpoint, model, base_model, args, iteration, {
+                    "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                    "task_rng": task_rng.getstate(), "streams": streams,
+                    "table": {"counts": {key: (c.n_total, c.n_success)
+                                         for key, c in table.counts.items()}, "t": table.t},
+                    "iteration": iteration, "history": history})
+            dist.wait_for_everyone()
+    progress.close()
+    if writer is not None:
+        writer.close()
+    if args.track and dist.is_main_process:
+        wandb.finish()
+    headline = args.eval_splits[0]
+    key = f"eval_{headline}/success"
+    summary = {"start_success": history.get(0, {}).get(key),
+               "final_success": history[max(history)][key],
+               "best_success": max(h[key] for h in history.values() if key in h),
+               "run_path": run_path}
+    if dist.is_main_process:
+        with open(os.path.join(run_path, "summary.json"), "w") as f:  # what benchmarks/ read
+            json.dump({**summary, "evaluations": {str(k): v for k, v in sorted(history.items())}},
+                      f, indent=1)
+    start = summary["start_success"]
+    start = "n/a (resumed)" if start is None else f"{start:.3f}"
+    print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} (final), "
+          f"best {summary['best_success']:.3f}; logs and checkpoint in {run_path} "
+          f"(tensorboard --logdir {args.run_dir})")
+    if dist.num_processes > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args(sys.argv[1:]))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,197 @@
+"""sspo.py's search (Algorithm 1) on the built-in household with a scripted policy: the game's
+snapshot and restore, ranking and pushing, terminal children, truncation by a closed gate, the
+ablations' variants, and that the harness sections are proxmo.py's text."""
+
+import inspect
+import os
+import re
+from collections import defaultdict
+
+import pytest
+
+import envs
+import proxmo
+import sspo
+from common.model import load_model_and_tokenizer
+from envs.household import HouseholdEnv, generate_task
+from sspo import Args, Counts, StateTable, new_search, search_round, state_key
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_household_restore_replays_exactly():
+    """Playing on from a restored snapshot gives the observations, admissible actions, rewards
+    and flags of playing straight through; the snapshot is a copy, unchanged by later steps."""
+    game = HouseholdEnv(generate_task(11), max_steps=40)
+    game.reset()
+    commands = []
+    for _ in range(6):
+        commands.append(game.expert_action())
+        game.step(commands[-1])
+    saved = game.snapshot()
+    saved_copy = repr(saved)
+    straight = []
+    for _ in range(8):
+        command = game.expert_action()
+        straight.append((command, game.step(command), game.admissible_actions()))
+        if straight[-1][1][2]:
+            break
+    assert repr(saved) == saved_copy
+    other = HouseholdEnv(generate_task(11), max_steps=40)
+    other.reset()
+    other.restore(saved)
+    for command, result, admissible in straight:
+        assert other.step(command) == result
+        assert other.admissible_actions() == admissible
+    game.restore(saved)  # and the first game can go back too
+    assert game.steps == 6 and not game.won
+
+
+class ScriptedPolicy:
+    """generate() answers each prompt with the next command of `script` (a list per call)."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.calls = tokenizer, list(script), []
+
+    def generate(self, prompts, temperature, top_p=1.0):
+        replies = self.script.pop(0)
+        assert len(replies) == len(prompts)
+        self.calls.append(len(prompts))
+        ids = [self.tokenizer(r, add_special_tokens=False).input_ids for r in replies]
+        return ids, [[-0.5] * len(i) for i in ids]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model_and_tokenizer("tiny")[1]
+
+
+def small_args(**kw):
+    return Args(max_rollouts=4, max_episode_steps=30, **kw)
+
+
+def expanded_node(search):
+    return search["frontier"][-1]
+
+
+def test_round_ranks_pushes_and_trains(tokenizer):
+    """An unvisited root: n = K_max = 4. Replies: two different admissible moves, a repeat of
+    the first, and a reply with no <action> tag. Rewards (w = 0.5 at N = 0, S = 1 everywhere):
+    0.5, 0.5, 0.5, -0.1; the repeat is trained on but not pushed, the no-op neither; pushed
+    worst first, so the first move is on top."""
+    args = small_args()
+    (task,) = envs.list_tasks("household", "train", 1)
+    search = new_search(args, task)
+    game = search["game"]
+    moves = [a for a in game.admissible_actions() if a.startswith("go to")][:2]
+    replies = [f"<action>{moves[0]}</action>", f"<action>{moves[1]}</action>",
+               f"<action>{moves[0]}</action>", "no tag here"]
+    policy = ScriptedPolicy(tokenizer, [replies])
+    table = StateTable()
+    samples, finished, records = search_round(args, tokenizer, policy, [search], table,
+                                              defaultdict(float))
+    assert finished == [] and table.counts == {} and table.t == 1  # read only
+    assert records[0]["rollouts"] == 4 and records[0]["score"] == 1.0
+    assert records[0]["rewards"] == pytest.approx([0.5, 0.5, 0.5, -0.1])
+    assert records[0]["well_formed"] == [True, True, True, False]
+    assert [a for _, _, a, _ in samples] == pytest.approx([0.5, 0.5, 0.5, -1.5], abs=1e-5)
+    assert search["generations"] == 4
+    top, below = search["frontier"][-1], search["frontier"][-2]
+    assert len(search["frontier"]) == 2
+    assert top["history"] == [(search["root"]["obs"], moves[0])]
+    assert below["history"] == [(search["root"]["obs"], moves[1])]
+    assert top["keys"] == [search["root"]["keys"][0], state_key(str(task), top["obs"])]
+    game.restore(top["snapshot"])
+    assert game.location == moves[0][len("go to "):] and game.steps == 1
+
+
+def test_closed_gate_truncates_without_sampling(tokenizer):
+    """A root whose counts close the gate (11 failures, p <= 0.1): n = 0, no generation, one
+    failed path with the root's key; the frontier is empty, so the search has ended."""
+    args = small_args()
+    (task,) = envs.list_tasks("household", "train", 1)
+    search = new_search(args, task)
+    root_key = search["root"]["keys"][0]
+    table = StateTable({root_key: Counts(12, 1)}, t=5)
+    policy = ScriptedPolicy(tokenizer, [])
+    samples, finished, records = search_round(args, tokenizer, policy, [search], table,
+                                              defaultdict(float))
+    assert samples == [] and policy.calls == [] and records[0]["rollouts"] == 0
+    assert finished == [(0, [root_key], False)]
+    assert not sspo.search_active(args, search)
+
+
+def near_win(task):
+    """A search whose root is the state one expert step before the win."""
+    game = HouseholdEnv(generate_task(task), max_steps=30)
+    game.reset()
+    while True:
+        command = game.expert_action()
+        saved = game.snapshot()
+        _, _, done, info = game.step(command)
+        if info["won"]:
+            return saved, command
+        assert not done
+
+
+def test_terminal_children_finish_paths_and_a_single_sample_trains_nothing(tokenizer):
+    """From one step before the win, with uniform rollouts off and a state visited once on a
+    won path (S ~ 0 at t = 3, alpha = 50): n = 1, one winning child, one finished path, no
+    training sample. Then the same state unvisited: n = 4, two winning children of four finish
+    two paths (best first) and the group trains."""
+    (task,) = envs.list_tasks("household", "train", 1)
+    saved, winning = near_win(task)
+    for counts, replies, n_paths, n_samples in (
+            (Counts(1, 1), [[f"<action>{winning}</action>"]], 1, 0),
+            (None, [[f"<action>{winning}</action>", "<action>look</action>",
+                     f"<action>{winning}</action>", "<action>inventory</action>"]], 2, 4)):
+        args = small_args()
+        search = new_search(args, task)
+        search["game"].restore(saved)
+        search["root"]["snapshot"] = saved
+        key = search["root"]["keys"][0]
+        table = StateTable({key: counts} if counts else {}, t=3)
+        policy = ScriptedPolicy(tokenizer, replies)
+        samples, finished, records = search_round(args, tokenizer, policy, [search], table,
+                                                  defaultdict(float))
+        assert [f[2] for f in finished] == [True] * n_paths and len(samples) == n_samples
+        assert all(f[1] == [key] for f in finished)
+        if n_samples:
+            # Wins: 0.5 + 0.5 + 0 (S_t = S_next = 1); look, inventory: novel, 0.5 each.
+            assert records[0]["rewards"] == pytest.approx([1.0, 0.5, 1.0, 0.5])
+            assert len(search["frontier"]) == 2  # look and inventory, both new observations
+
+
+def test_no_backtracking_keeps_the_best_child_and_restarts(tokenizer):
+    args = small_args(backtracking=False, uniform_rollouts=True)
+    (task,) = envs.list_tasks("household", "train", 1)
+    search = new_search(args, task)
+    moves = [a for a in search["game"].admissible_actions() if a.startswith("go to")][:4]
+    policy = ScriptedPolicy(tokenizer, [[f"<action>{m}</action>" for m in moves]])
+    search_round(args, tokenizer, policy, [search], StateTable(), defaultdict(float))
+    assert len(search["frontier"]) == 1
+    assert search["frontier"][0]["history"][0][1] == moves[0]
+    search["frontier"].clear()  # the branch ended: the next round starts from the root again
+    assert sspo.search_active(args, search)
+    policy.script.append([f"<action>{m}</action>" for m in moves])
+    _, _, records = search_round(args, tokenizer, policy, [search], StateTable(),
+                                 defaultdict(float))
+    assert records[0]["depth"] == 0
+
+
+def test_harness_sections_are_proxmos_text():
+    """diff proxmo.py sspo.py shows only what 3SPO changes."""
+    def sections(name):
+        with open(os.path.join(ROOT, name)) as f:
+            parts = re.split(r"(?m)^(?=# ---- \d+\. )", f.read())
+        return {p.split("\n", 1)[0]: p for p in parts if p.startswith("# ---- ")}
+
+    mine, theirs = sections("sspo.py"), sections("proxmo.py")
+    for title in ("2. Prompts", "6. Rollouts", "7. Behavior cloning", "8. Evaluation"):
+        (a,) = [v for k, v in mine.items() if title in k]
+        (b,) = [v for k, v in theirs.items() if title in k]
+        assert a == b, title
+    for name in ("policy_update", "ppo_clip_loss", "k3_kl", "policy_ratio", "summarize",
+                 "process_share", "check_finite"):
+        a, b = inspect.getsource(getattr(sspo, name)), inspect.getsource(getattr(proxmo, name))
+        assert a == b.replace("(Eq. 13)", "(Eq. 4)"), name
