@@ -22,32 +22,41 @@ marks ours. Where this script departs from the paper or chooses where it is sile
   * The search runs in synchronous rounds over --tasks-per-iteration tasks (the authors' GUI
     code): each round pops one node per task, samples every task's group in one generation call,
     makes one policy update on all groups of the round, and then adds the round's finished paths
-    to the counters (in task order). Every score of a round is read from the table as the round
-    began, so one process and several make the same search.
+    to the counters. Every score of a round is read from the table as the round began, so the
+    table's reads do not depend on how the tasks are split between processes.
   * A task's search stops when its frontier is empty, after --max-paths finished paths (8, the
     GRPO group size) or after --generations-per-task sampled actions (8 x the step limit), so
     that a task costs about what GRPO's 8 episodes cost. The paper's search ends only with an
-    empty frontier. The last expansion may pass the budget by fewer than K_max actions.
+    empty frontier. One expansion may pass a budget: by fewer than K_max actions, or by up to
+    K_max - 1 paths (each terminal child finishes one, and every one is counted).
   * States are keyed per task, sha1(task + observation) (the code shares keys across tasks:
     --share-states-across-tasks). "Nothing happens." keeps the current key: no novelty for a
     command that changed nothing.
   * Counters change only when a path finishes: every distinct state popped on the path from the
     root, +1 visit and +1 success if it won; t counts 1 + the finished paths.
-  * The terminal next state scores 1 exactly (the code's outcome, made explicit): the score
-    difference of a winning or losing last step is S(s_t) - 1 <= 0 [spec §9.4, kept as is]. A
-    gated (hopeless) child scores high, as S = 0 makes its difference largest; the search cuts
-    it at the next pop.
+  * The terminal next state, the game's own end (a win), scores 1 exactly (the code's outcome,
+    made explicit): the score difference of a winning step is S(s_t) - 1 <= 0 [spec §9.4, kept
+    as is]. A step that reaches the step limit without a win is scored from the table like any
+    other, and ends a lost path. A gated (hopeless) child scores high, as S = 0 makes its
+    difference largest; the search cuts it at the next pop.
   * R_succ is 1 on a won step (the code passes the env's reward, 10 in verl-agent); a malformed
     reply subtracts --step-invalid-penalty 0.1 from its reward, before the group normalisation.
-  * A child that repeats its parent's state or a sibling's is trained on but not pushed.
+    The GRPO baseline keeps proxmo.py's rule instead (--invalid-action-penalty 0.01 off the
+    advantage), so that its numbers are proxmo.py's.
+  * A child that repeats its parent's state or a sibling's is trained on but not pushed. A node
+    whose children all end or repeat ends its branch without a finished path.
   * Group advantages divide by the Bessel std (the paper's "group-normalised"; the repository's
     helper only centres: --no-use-std). A group of one is never trained on.
   * --no-backtracking (the ablation) keeps only the best child; when its branch ends, the search
     starts a new path from the task's first state instead of backtracking [reconstructed].
   * --fixed-novelty-weight w is the "w/o adaptive w" ablation; the paper's value was lost (0.25,
-    where the two adaptive weights cross, is a guess).
-  * LoRA instead of full fine-tuning, hence a larger learning rate (the harness's presets); no
-    entropy bonus.
+    where the two adaptive weights cross, is a guess). --no-novelty-reward and
+    --no-score-difference-reward drop their term and leave the other weights as they are;
+    --uniform-rollouts samples K_max actions where the gate is open and still cuts where it is
+    closed.
+  * LoRA instead of full fine-tuning, hence a larger learning rate; no entropy bonus.
+    ppo_clip_loss keeps the harness's argument names (old_logp, ref_logp, advantages: the
+    spec's logp_old, logp_ref, adv, in the same order).
   * The built-in household copies its state for each branch (snapshot/restore); ALFWorld's engine
     cannot, so a branch replays its commands from a reset (slow: about a CPU-second per branch).
   * Evaluation plays plain one-sample episodes (no table, no search), as the paper's.
@@ -154,9 +163,9 @@ class Args:
     no <think> tag, or Chinese characters) before the group normalisation (sspo)"""
     max_paths: int = 8
     """a task's search stops after this many finished paths (sspo)"""
-    generations_per_task: int = 240
-    """a task's search stops after sampling this many actions (sspo) [preset: tiny 240 | real
-    400, 8 x --max-episode-steps]"""
+    generations_per_task: int | None = None
+    """a task's search stops after sampling this many actions (sspo); default 8 x
+    --max-episode-steps, what GRPO's 8 episodes may sample"""
     share_states_across_tasks: bool = False
     """key states by the observation alone, across tasks, as the authors' code (default: per
     task)"""
@@ -191,10 +200,10 @@ class Args:
     """grpo: N trajectories per task (a group); 1 makes every advantage 0"""
     max_episode_steps: int = 30
     """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 50]"""
-    learning_rate: float = 1e-4
-    """AdamW learning rate of the LoRA weights [preset: tiny 1e-4 (a step per search round is
-    about 6x GRPO's steps; proxmo.py's 5e-4 collapsed on valid) | real 1e-5 (the paper's 1e-6
-    is for full fine-tuning)]"""
+    learning_rate: float = 2e-5
+    """AdamW learning rate of the LoRA weights [preset: tiny 2e-5 (chosen on valid; an update
+    per search round makes about 6x GRPO's steps) | real 1e-5 (the paper's 1e-6 is for full
+    fine-tuning)]"""
     weight_decay: float = 0.0
     """AdamW weight decay of the RL update"""
     clip_eps: float = 0.2
@@ -283,7 +292,7 @@ REAL_MODEL_PRESETS = dict(iterations=150, tasks_per_iteration=16, max_episode_st
                           learning_rate=1e-5, micro_batch_size=8, max_new_tokens=512,
                           history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,
                           bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
-                          eval_every=5, eval_num_tasks=0, generations_per_task=400)
+                          eval_every=5, eval_num_tasks=0)
 TINY_SCRATCH_PRESETS = dict(bc_epochs=3)
 
 
@@ -337,7 +346,8 @@ def validate_args(args: Args) -> list[str]:
         (a.max_rollouts >= 1, "--max-rollouts must be >= 1"),
         (a.step_invalid_penalty >= 0, "--step-invalid-penalty must be >= 0"),
         (a.max_paths >= 1, "--max-paths must be >= 1"),
-        (a.generations_per_task >= 1, "--generations-per-task must be >= 1"),
+        (a.generations_per_task is None or a.generations_per_task >= 1,
+         "--generations-per-task must be >= 1"),
         (a.fixed_novelty_weight is None or 0 <= a.fixed_novelty_weight <= 0.5,
          "--fixed-novelty-weight must be in [0, 0.5]"),
         (a.invalid_action_penalty >= 0, "--invalid-action-penalty must be >= 0"),
@@ -575,7 +585,8 @@ def transition_rewards(stats: dict[str, Counts], key_t: str, next_keys: list[str
     score_t = state_score(source, t, alpha, xi, zeta, eps)
     terminals = terminals or [False] * len(next_keys)
     rewards = []
-    for key, success, valid, terminal in zip(next_keys, successes, valids, terminals):
+    for key, success, valid, terminal in zip(next_keys, successes, valids, terminals,
+                                             strict=True):
         score_next = 1.0 if terminal else state_score(stats.get(key, empty), t, alpha, xi, zeta,
                                                       eps)
         rewards.append(step_reward(score_t, score_next, source.n_total, key != key_t, success,
@@ -662,20 +673,21 @@ def score_of(args: Args, table: StateTable, key: str) -> float:
 
 def new_search(args: Args, task) -> dict:
     """A task's search: its game, the frontier stack holding the first state, and the budgets
-    used. A node is a state to expand: the game's snapshot there, its observation, the (obs,
-    action) history that led to it, and the keys of the states on its path from the root."""
+    used. A node is a state to expand: the game's snapshot there, its observation and admissible
+    actions, the (obs, action) history that led to it, and the keys of the states on its path
+    from the root."""
     game = envs.make_game(args.env, task, args.max_episode_steps)
     obs = game.reset()
-    root = {"snapshot": game.snapshot(), "obs": obs, "history": [],
-            "keys": [state_key(str(task), obs, args.share_states_across_tasks)]}
+    root = {"snapshot": game.snapshot(), "obs": obs, "admissible": game.admissible_actions(),
+            "history": [], "keys": [state_key(str(task), obs, args.share_states_across_tasks)]}
     return {"task": task, "game": game, "root": root, "frontier": [root], "paths": 0,
             "generations": 0}
 
 
 def search_active(args: Args, search: dict) -> bool:
     """Budget left and a state to expand (without backtracking, the first state again)."""
-    within = (search["paths"] < args.max_paths
-              and search["generations"] < args.generations_per_task)
+    budget = args.generations_per_task or 8 * args.max_episode_steps
+    within = search["paths"] < args.max_paths and search["generations"] < budget
     return within and (bool(search["frontier"]) or not args.backtracking)
 
 
@@ -704,14 +716,14 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
         n = rollout_count(score, args.max_rollouts)  # Eq. 3
         if args.uniform_rollouts and n > 0:
             n = args.max_rollouts
-        records.append({"score": score, "rollouts": n, "depth": len(node["history"])})
+        visits = table.counts.get(node["keys"][-1], Counts()).n_total
+        records.append({"score": score, "rollouts": n, "depth": len(node["history"]),
+                        "visited": visits > 0})
         if n == 0:  # the score reached zero: this path ends here, lost
             finished.append((index, node["keys"], False))
             continue
-        game = search["game"]
-        game.restore(node["snapshot"])
-        prompt = encode_prompt(args, tokenizer, game.task_description, node["history"],
-                               node["obs"], game.admissible_actions(), len(node["history"]) + 1)
+        prompt = encode_prompt(args, tokenizer, search["game"].task_description, node["history"],
+                               node["obs"], node["admissible"], len(node["history"]) + 1)
         expansions.append((index, node, n, prompt, records[-1]))
         search["generations"] += n
     seconds["prompts"] += time.perf_counter() - start
@@ -741,14 +753,15 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
             children.append({"obs": obs, "command": command, "key": child_key, "done": done,
                              "won": bool(info["won"]), "valid": bool(info["valid"]),
                              "well_formed": is_well_formed(texts[row], args.reasoning),
-                             "snapshot": None if done else game.snapshot()})
+                             "snapshot": None if done else game.snapshot(),
+                             "admissible": None if done else game.admissible_actions()})
         seconds["env"] += time.perf_counter() - start
         rewards = transition_rewards(  # Eq. 2, every score from the round's table
             table.counts, key, [c["key"] for c in children], [c["won"] for c in children],
             [c["well_formed"] for c in children], table.t, args.score_alpha, args.fail_threshold,
             args.success_threshold, k=args.novelty_decay,
             invalid_penalty=args.step_invalid_penalty,
-            terminals=[c["done"] for c in children], novelty=args.novelty_reward,
+            terminals=[c["won"] for c in children], novelty=args.novelty_reward,
             score_difference=args.score_difference_reward, fixed_weight=args.fixed_novelty_weight)
         order = rank_children(rewards)
         pushed, seen_keys = [], {key}
@@ -759,11 +772,14 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
             elif child["key"] not in seen_keys:
                 seen_keys.add(child["key"])
                 pushed.append(child)
-        if not args.backtracking:
-            pushed = pushed[:1]
+        # A node whose children all end, or repeat a state, ends its branch without a finished
+        # path (the spec's loop): its states get no count from it.
+        if not args.backtracking:  # the best child goes on, if it can; no other ever does
+            pushed = pushed[:1] if pushed and pushed[0] is children[order[0]] else []
         for child in reversed(pushed):  # ascending rank: the best ends on top of the stack
             search["frontier"].append({
                 "snapshot": child["snapshot"], "obs": child["obs"],
+                "admissible": child["admissible"],
                 "history": node["history"] + [(node["obs"], child["command"])],
                 "keys": node["keys"] + [child["key"]]})
         if n >= 2:  # a group of one proceeds without training
@@ -771,8 +787,7 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
             samples += [(prompt, responses[row], float(a), logprobs[row])
                         for row, a in zip(rows, advantages)]
         record.update(rewards=rewards, valid=[c["valid"] for c in children],
-                      well_formed=[c["well_formed"] for c in children],
-                      won=[c["won"] for c in children if c["done"]])
+                      well_formed=[c["well_formed"] for c in children])
     return samples, finished, records
 
 
@@ -1234,6 +1249,9 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
     children = [(reward, valid, well_formed) for r in expanded
                 for reward, valid, well_formed in zip(r["rewards"], r["valid"], r["well_formed"])]
     scores = [score_of(args, table, key) for key in table.counts]
+    # Sampled states with a finished path through them: at an unvisited one w = 0.5, and Eq.
+    # 2's score difference weighs nothing.
+    visited_share = float(np.mean([r["visited"] for r in expanded])) if expanded else 0.0
     # A policy update's seconds add up over the rounds; its losses and ratios are averaged.
     out = {name: float(np.sum(v) if name.startswith("time/") else np.mean(v))
            for name, v in update_stats.items()}
@@ -1257,6 +1275,7 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
         "sspo/truncated_share": float(np.mean([r["rollouts"] == 0 for r in records])),
         "sspo/untrained_share": float(np.mean([r["rollouts"] == 1 for r in records])),
         "sspo/depth": float(np.mean([r["depth"] for r in records])),
+        "sspo/visited_share": visited_share,
         "sspo/reward_mean": float(np.mean([c[0] for c in children])) if children else 0.0})
     return out
 

@@ -86,7 +86,7 @@ def test_ablations_run(tmp_path):
          "--uniform-rollouts", "--no-backtracking", "--share-states-across-tasks",
          "--no-use-std", "--run-dir", str(tmp_path), *SMALL], tmp_path)
     (run_path,) = glob.glob(str(tmp_path / "*"))
-    assert scalars(run_path).Scalars("sspo/rollouts_per_step")[0].value in (0, 4)
+    assert scalars(run_path).Scalars("sspo/paths")[0].value >= 1
 
 
 def test_help_lists_the_flags(tmp_path):

@@ -3,6 +3,7 @@ snapshot and restore, ranking and pushing, terminal children, truncation by a cl
 ablations' variants, and that the harness sections are proxmo.py's text."""
 
 import inspect
+import math
 import os
 import re
 from collections import defaultdict
@@ -67,7 +68,7 @@ def tokenizer():
 
 
 def small_args(**kw):
-    return Args(max_rollouts=4, max_episode_steps=30, **kw)
+    return Args(**{"max_rollouts": 4, "max_episode_steps": 30, **kw})
 
 
 def expanded_node(search):
@@ -159,24 +160,68 @@ def test_terminal_children_finish_paths_and_a_single_sample_trains_nothing(token
         if n_samples:
             # Wins: 0.5 + 0.5 + 0 (S_t = S_next = 1); look, inventory: novel, 0.5 each.
             assert records[0]["rewards"] == pytest.approx([1.0, 0.5, 1.0, 0.5])
-            assert len(search["frontier"]) == 2  # look and inventory, both new observations
+            # look and inventory, both new observations, pushed worst first: look (index 1,
+            # ranked above index 3 on the tie) ends on top.
+            assert [n["history"][-1][1] for n in search["frontier"]] == ["inventory", "look"]
+
+
+def test_step_limit_children_are_scored_from_the_table(tokenizer):
+    """With a step limit of 1 every child ends a lost path, but none is the game's own end: a
+    child reaching a state seen on a won path (S ~ 0 at t = 3) earns the score difference,
+    w + (0.5 - w) (1 - 0) = 0.5 from a root with N = 2 (w = 0.5 e^-0.2 = 0.409365), while one
+    reaching an unvisited state earns w alone."""
+    args = small_args(max_episode_steps=1)
+    (task,) = envs.list_tasks("household", "train", 1)
+    search = new_search(args, task)
+    game = search["game"]
+    moves = [a for a in game.admissible_actions() if a.startswith("go to")][:2]
+    won_key = state_key(str(task), game.step(moves[0])[0])  # restored before the round
+    root_key = search["root"]["keys"][0]
+    table = StateTable({root_key: Counts(2, 0), won_key: Counts(1, 1)}, t=3)
+    replies = [f"<action>{moves[0]}</action>", f"<action>{moves[1]}</action>"] * 2
+    policy = ScriptedPolicy(tokenizer, [replies])
+    samples, finished, records = search_round(args, tokenizer, policy, [search], table,
+                                              defaultdict(float))
+    w = 0.5 * math.exp(-0.2)
+    assert records[0]["rewards"] == pytest.approx([0.5, w, 0.5, w], abs=1e-6)
+    assert finished == [(0, [root_key], False)] * 4 and search["frontier"] == []
+    assert len(samples) == 4
+
+
+def test_uniform_rollouts_at_a_visited_state(tokenizer):
+    """A root on one won path has S ~ 0 at t = 3: one action; with --uniform-rollouts, K_max."""
+    (task,) = envs.list_tasks("household", "train", 1)
+    for uniform, n in ((False, 1), (True, 4)):
+        args = small_args(uniform_rollouts=uniform)
+        search = new_search(args, task)
+        table = StateTable({search["root"]["keys"][0]: Counts(1, 1)}, t=3)
+        policy = ScriptedPolicy(tokenizer, [["<action>look</action>"] * n])
+        _, _, records = search_round(args, tokenizer, policy, [search], table,
+                                     defaultdict(float))
+        assert records[0]["rollouts"] == n and policy.calls == [n]
 
 
 def test_no_backtracking_keeps_the_best_child_and_restarts(tokenizer):
-    args = small_args(backtracking=False, uniform_rollouts=True)
     (task,) = envs.list_tasks("household", "train", 1)
+    args = small_args(backtracking=False)
     search = new_search(args, task)
     moves = [a for a in search["game"].admissible_actions() if a.startswith("go to")][:4]
     policy = ScriptedPolicy(tokenizer, [[f"<action>{m}</action>" for m in moves]])
     search_round(args, tokenizer, policy, [search], StateTable(), defaultdict(float))
     assert len(search["frontier"]) == 1
     assert search["frontier"][0]["history"][0][1] == moves[0]
-    search["frontier"].clear()  # the branch ended: the next round starts from the root again
-    assert sspo.search_active(args, search)
-    policy.script.append([f"<action>{m}</action>" for m in moves])
-    _, _, records = search_round(args, tokenizer, policy, [search], StateTable(),
-                                 defaultdict(float))
-    assert records[0]["depth"] == 0
+    # A step limit of 1: every child ends its path, nothing is pushed, and the search goes on
+    # from the first state again (backtracking would have ended it).
+    args = small_args(backtracking=False, max_episode_steps=1)
+    search = new_search(args, task)
+    policy = ScriptedPolicy(tokenizer, [[f"<action>{m}</action>" for m in moves]] * 2)
+    for depth in (0, 0):
+        assert sspo.search_active(args, search)
+        _, finished, records = search_round(args, tokenizer, policy, [search], StateTable(),
+                                            defaultdict(float))
+        assert records[0]["depth"] == depth and len(finished) == 4 and not search["frontier"]
+        search["paths"] += len(finished)
+    assert search["paths"] == 8 and not sspo.search_active(args, search)  # --max-paths 8
 
 
 def test_harness_sections_are_proxmos_text():
