@@ -167,8 +167,8 @@ class Args:
     """a task's search stops after sampling this many actions (sspo); default 8 x
     --max-episode-steps, what GRPO's 8 episodes may sample"""
     share_states_across_tasks: bool = False
-    """key states by the observation alone, across tasks, as the authors' code (default: per
-    task)"""
+    """key states by the observation alone, shared across tasks, as the authors' code does
+    (off: the task is part of the key)"""
     use_std: bool = True
     """divide group advantages by the group std (Bessel); --no-use-std only subtracts the mean,
     as the authors' helper"""

@@ -106,3 +106,44 @@ def test_expert_solves_a_game_and_invalid_commands_are_flagged():
     while not done:
         obs, reward, done, info = game.step(game.expert_action())
     assert info["won"] and reward == 1.0
+
+
+def test_restore_replays_the_commands_from_a_reset(monkeypatch):
+    """ALFWorld's engine cannot copy a game: restore() resets and replays the snapshot's
+    commands (a stand-in engine here, whose state is the commands it has seen)."""
+    class State(dict):
+        @property
+        def feedback(self):
+            return self["feedback"]
+
+    class FakeEngine:
+        resets = 0
+
+        def reset(self):
+            FakeEngine.resets += 1
+            self.played = []
+            return self._state()
+
+        def step(self, command):
+            self.played.append(command)
+            return self._state(), 0, False
+
+        def _state(self):
+            text = "You are in the middle of a room. Your task is to: do a then b" if not (
+                self.played) else "after " + ",".join(self.played)
+            return State(feedback=text, won=self.played == ["a", "b"],
+                         admissible_commands=["a", "b", "help"])
+
+    import textworld
+    monkeypatch.setattr(textworld, "start", lambda path, infos, wrappers: FakeEngine())
+    path = "/d/json_2.1.1/train/pick_and_place_simple-Mug-None-Desk-1/trial_T1/game.tw-pddl"
+    game = envs.make_game("alfworld", path, max_steps=5)
+    game.reset()
+    game.step("a")
+    saved = game.snapshot()
+    assert saved == ("a",)
+    assert game.step("a")[0] == "after a,a"
+    game.restore(saved)
+    assert game.steps == 1 and FakeEngine.resets == 2 and game.admissible_actions() == ["a", "b"]
+    obs, reward, done, info = game.step("b")
+    assert (obs, reward, done, info["won"]) == ("after a,b", 1.0, True, True)
