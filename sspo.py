@@ -14,7 +14,8 @@ many of them won. From these counts:
   Each task is explored by a ranked depth-first search (Algorithm 1): the sampled transitions are
   ranked by reward, the best is expanded next, the others wait on a frontier stack, and a branch
   that ends (won, lost, cut or at the step limit) backtracks to the newest waiting one. No critic,
-  no reward model. --advantage grpo is the GRPO baseline on whole episodes, as proxmo.py's.
+  no reward model. --advantage grpo is the GRPO baseline on whole episodes: proxmo.py's, with
+  --learning-rate 5e-4 (its tiny preset) the same run to the bit.
 
 The paper's text lost its equations; Eqs. 1-3 follow the authors' code and Eq. 4 is reconstructed
 from their launch scripts (the spec, ../shared/specs/sspo.md, marks each). [reconstructed] below
@@ -145,7 +146,7 @@ class Args:
     # Estimator: 3SPO's search with post-step updates, or the GRPO baseline on whole episodes.
     advantage: Literal["sspo", "grpo"] = "sspo"
     """sspo (ranked DFS, a policy update after every step, Eqs. 1-4) or grpo (--group-size
-    episodes per task, the episode z-score: proxmo.py's GRPO)"""
+    episodes per task, the episode z-score: proxmo.py's GRPO; its tiny learning rate is 5e-4)"""
     score_alpha: float = 50.0
     """alpha of the annealing lambda_t = alpha ln t of the state score (Eq. 1)"""
     fail_threshold: int = 10
