@@ -1222,7 +1222,7 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
     """One 3SPO iteration: the searches of this process's tasks, in rounds until every search
     of every process has stopped. After each round: one policy update on the round's groups of
     all processes (Eq. 4, post-step), then the round's finished paths of all processes go into
-    the counters in process and task order, so that every process keeps the same table.
+    the counters in process order, so that every process keeps the same table.
     Returns the iteration's logged stats."""
     began = time.perf_counter()
     searches = [new_search(args, task) for task in tasks]
