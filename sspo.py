@@ -102,7 +102,7 @@ from torch import Tensor
 import envs
 from common import UsageError
 from common.envbatch import EnvBatch
-from common.generation import hf_generate, make_vllm_engine, vllm_generate
+from common.generation import ContinuousBatching, hf_generate, make_vllm_engine, vllm_generate
 from common.model import (add_lora, eos_token_ids, load_lora, load_model_and_tokenizer, merge_lora,
                           pad_prompt_response, resolve_model_name, response_logprobs)
 from common.progress import Progress
@@ -129,8 +129,10 @@ class Args:
     model: str = "tiny"
     """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct), tiny (the shipped
     household start, assets/tiny-household) or tiny-scratch (random weights; BC first)"""
-    backend: Literal["hf", "vllm"] = "hf"
-    """rollout generation: transformers generate (KV cache) or vLLM with the LoRA adapter (GPU)"""
+    backend: Literal["hf", "hf-cb", "vllm"] = "hf"
+    """rollout generation: transformers generate (KV cache), hf-cb (transformers continuous
+    batching: paged KV cache, shared prompt prefixes, CUDA graphs) or vLLM with the LoRA adapter
+    (GPU). hf and hf-cb give the same greedy replies (README, "Rollout speed")"""
     device: str = "cpu"
     """torch device [preset: cuda when available, else cpu]"""
     track: bool = False
@@ -370,8 +372,8 @@ def validate_args(args: Args) -> list[str]:
         (a.save_every >= 1, "--save-every must be >= 1"),
         (0 < a.vllm_gpu_memory_utilization <= 1,
          "--vllm-gpu-memory-utilization must be in (0, 1]"),
-        (a.backend == "hf" or a.device.startswith("cuda"),
-         "--backend vllm needs a CUDA GPU; use --backend hf on CPU"),
+        (a.backend != "vllm" or a.device.startswith("cuda"),
+         "--backend vllm needs a CUDA GPU; use --backend hf or hf-cb on CPU"),
     ]
     return [message for ok, message in rules if not ok]
 
@@ -839,6 +841,13 @@ class Policy:
         self.args, self.model, self.tokenizer, self.engine = args, model, tokenizer, engine
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.adapter_path, self.adapter_version = "", 0
+        self.batcher = None
+        if args.backend == "hf-cb":  # its engines (one per sampling setting) live for the run
+            self.batcher = ContinuousBatching(
+                model, pad_id=tokenizer.pad_token_id, eos_ids=self.eos_ids,
+                max_new_tokens=args.max_new_tokens,
+                max_sequence_tokens=args.max_prompt_tokens + args.max_new_tokens,
+                max_requests=max(args.micro_batch_size, 64))
 
     def sync(self, run_path: str) -> None:
         """vLLM reads the adapter from disk: write the current one under a new version id (one
@@ -852,7 +861,7 @@ class Policy:
 
     def generate(self, prompts: list[list[int]], temperature: float,
                  top_p: float = 1.0) -> tuple[list[list[int]], list | None]:
-        """(responses, log-probs of their tokens or None). Sampling with the hf backend and
+        """(responses, log-probs of their tokens or None). Sampling with hf or hf-cb and
         without top-p (every training rollout) records the log-probs the tokens were drawn with:
         PPO's old log-probs without another forward pass. vLLM's (bf16, other kernels) would
         differ from the trainer's: None, and the update scores the responses itself, as veRL
@@ -865,6 +874,10 @@ class Policy:
                                       top_p=top_p)
             return responses, None
         record = temperature > 0 and top_p == 1
+        if self.batcher is not None:
+            out = self.batcher.generate(prompts, temperature=temperature, top_p=top_p,
+                                        return_logprobs=record)
+            return out if record else (out, None)
         out = hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
                           eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
                           temperature=temperature, top_p=top_p,

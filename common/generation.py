@@ -1,6 +1,7 @@
-"""Batched generation: transformers `generate` with a KV cache (default, CPU or GPU) or vLLM with
-the current LoRA adapter (GPU, optional). Prompts and responses are token ids, so both backends
-return exactly the tokens the policy is later trained on.
+"""Batched generation: transformers `generate` with a KV cache (default, CPU or GPU), transformers'
+continuous batching with a paged KV cache (`ContinuousBatching`, CPU or GPU), or vLLM with the
+current LoRA adapter (GPU, optional). Prompts and responses are token ids, so every backend
+returns exactly the tokens the policy is later trained on.
 
 Sampling is exactly softmax(logits / temperature), optionally top-p truncated, and nothing else:
 a checkpoint's own generation config (Qwen2.5-Instruct ships repetition_penalty, top_k, top_p
@@ -10,6 +11,8 @@ any other logits processor would make the rollout policy differ from the one bei
 from __future__ import annotations
 
 import contextlib
+import math
+import threading
 
 import torch
 
@@ -114,6 +117,133 @@ def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[i
                 logprobs.append(chosen[k, :cut].tolist())
     model.train(was_training)
     return (out, logprobs) if return_logprobs else out
+
+
+class ContinuousBatching:
+    """transformers' continuous batching (`generate_batch`'s engine: a paged KV cache, a prompt
+    prefix shared between requests, CUDA graphs on GPU) with one manager per sampling setting,
+    kept for the whole run. A lock-step rollout generates at every environment step; a manager
+    made per call would allocate its cache and warm up (capture its CUDA graphs) every time.
+
+    Same contract as hf_generate, and the same tokens: greedy outputs equal hf_generate's (tested
+    on the tiny model), and sampling records the log-probabilities of softmax(logits / T) the
+    tokens were drawn from. The model's weights are read at every forward and the cache is
+    emptied at every call, so an optimizer step on the LoRA weights reaches the next call. Sampling draws from torch's global generator, as
+    hf_generate does: transformers reseeds that generator when it builds a manager, so the state
+    is saved and restored around it, and each call queues all its requests before the engine's
+    loop takes any, so a batch is scheduled, and its draws are made, the same way for a seed.
+
+    The KV cache is sized to the workload: `max_requests` sequences of `max_sequence_tokens`
+    tokens (prompt + response) at once; more requests wait for a free slot."""
+
+    PAGE_TOKENS = 64  # a page of KV cache; sequences here are short (a few hundred to 2k tokens)
+    # Tokens in one forward pass. Without flash attention the engine holds a dense mask of this
+    # many rows over the whole cache: 1024 rows keep it near 0.6 GB for 64 sequences of 2k tokens.
+    BATCH_TOKENS = 1024
+    SAMPLING_PROCESSORS = {"TemperatureLogitsWarper", "TopPLogitsWarper"}
+
+    def __init__(self, model, *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
+                 max_sequence_tokens: int, max_requests: int = 64):
+        self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
+        self.max_new_tokens = max_new_tokens
+        self.max_sequence_tokens, self.max_requests = max_sequence_tokens, max_requests
+        self.blocks_per_request = math.ceil(max_sequence_tokens / self.PAGE_TOKENS) + 1
+        self.managers: dict = {}
+
+    def _manager(self, temperature: float, top_p: float, return_logprobs: bool):
+        key = (temperature, top_p, return_logprobs)
+        if key in self.managers:
+            return self.managers[key]
+        from transformers import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        config = sampling_config(temperature=temperature, top_p=top_p,
+                                 max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids,
+                                 pad_id=self.pad_id)
+        # auto_switch_to_flash=False: the attention the model was loaded with serves both the
+        # engine and the update (the engine's loop stays alive between calls, see generate).
+        cb_config = ContinuousBatchingConfig(
+            page_size=self.PAGE_TOKENS, num_blocks=self.max_requests * self.blocks_per_request,
+            max_batch_tokens=self.BATCH_TOKENS, return_logprobs=return_logprobs,
+            auto_switch_to_flash=False)
+        hints = WorkloadHints(max_prompt_length=self.max_sequence_tokens - self.max_new_tokens,
+                              max_generated_length=self.max_new_tokens,
+                              num_requests=self.max_requests)
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        cpu_state = torch.get_rng_state()
+        cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            manager = inner.init_continuous_batching(generation_config=config,
+                                                     continuous_batching_config=cb_config,
+                                                     workload_hints=hints)
+            manager.warmup()  # builds the cache and the batch processor, which reseeds torch
+        finally:
+            torch.set_rng_state(cpu_state)
+            if cuda_states is not None:
+                torch.cuda.set_rng_state_all(cuda_states)
+        processors = {type(p).__name__ for p in manager.logit_processor.logits_processor}
+        if not processors <= self.SAMPLING_PROCESSORS:  # anything else would change the policy
+            manager.destroy()
+            raise RuntimeError(f"continuous batching would apply {sorted(processors)}")
+        # The loop thread runs until close(): stopping it after every call costs a join and a
+        # garbage collection (0.3 s a call on CPU). Between calls it waits for requests. It is
+        # started as manager.start() does, but as a daemon, so that a run that ends without
+        # close() (an error, Ctrl-C) is not kept alive by it.
+        manager.background_thread_status.clear()
+        manager._generation_thread = threading.Thread(target=manager._run_generation_loop,
+                                                      daemon=True)
+        manager._generation_thread.start()
+        self.managers[key] = manager
+        return manager
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float = 1.0,
+                 return_logprobs: bool = False):
+        """Response ids for each prompt, cut after the first eos (kept); with return_logprobs
+        (temperature > 0, top_p == 1), also their log-probs: as hf_generate."""
+        if return_logprobs and (temperature <= 0 or top_p < 1):
+            raise ValueError("return_logprobs needs temperature > 0 and top_p == 1")
+        if not prompts:
+            return ([], []) if return_logprobs else []
+        manager = self._manager(temperature, top_p if temperature > 0 else 1.0, return_logprobs)
+        if not manager.is_running():
+            raise RuntimeError("the continuous batching loop has stopped: "
+                               f"{manager.background_thread_status.fatal_error}")
+        was_training = self.model.training
+        self.model.eval()
+        results = {}
+        try:
+            with manager.pause():  # the loop takes the requests only once all are queued
+                # Prompt blocks cached by an earlier call hold keys and values of the weights of
+                # then: shared prefixes are reused within a call only.
+                manager.batch_processor.cache.reset()
+                ids = manager.add_requests(inputs=prompts, max_new_tokens=self.max_new_tokens)
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+                elif result is None and not manager.is_running():
+                    raise RuntimeError("the continuous batching loop stopped: "
+                                       f"{manager.background_thread_status.fatal_error}")
+        finally:
+            self.model.train(was_training)
+        out, logprobs = [], []
+        for request_id in ids:
+            result = results[request_id]
+            if result.error is not None:
+                raise RuntimeError(f"continuous batching failed a request: {result.error}")
+            tokens = list(result.generated_tokens)
+            cut = next((j + 1 for j, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
+            out.append(tokens[:cut])
+            logprobs.append(list(result.logprobs[:cut]))
+        return (out, logprobs) if return_logprobs else out
+
+    def close(self) -> None:
+        """Stop every manager's loop thread and free its cache."""
+        for manager in self.managers.values():
+            manager.stop(block=True)
+            manager.destroy()
+        self.managers.clear()
 
 
 def make_vllm_engine(model_path: str, *, max_lora_rank: int, gpu_memory_utilization: float,
