@@ -256,6 +256,9 @@ class Args:
     """step samples per optimizer step"""
     micro_batch_size: int = 16
     """step samples per forward pass [preset: tiny 16 (faster on CPU than 64) | real 8]"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's layer activations in the backward pass instead of keeping them: less
+    memory, a slower update (README, "Memory") [preset: tiny off | real on]"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of every optimizer step"""
     rollout_temperature: float = 1.0
@@ -327,6 +330,7 @@ class Args:
 
 REAL_MODEL_PRESETS = dict(iterations=100, tasks_per_iteration=16, group_size=1,
                           max_episode_steps=40, learning_rate=1e-5, micro_batch_size=8,
+                          gradient_checkpointing=True,
                           max_new_tokens=512, max_prompt_tokens=4096, history_length=40,
                           reasoning=True, bc_epochs=3, bc_full_params=False,
                           bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
@@ -1966,6 +1970,8 @@ def main(args: Args) -> dict:
     else:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
     model.print_trainable_parameters()
+    if args.gradient_checkpointing:  # non-reentrant: works with the frozen embeddings of LoRA
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # The critic: a value head on the policy's final hidden state, backbone and adapter shared.
     value_head = make_head(model.config.hidden_size, "linear", device)
     if dist.num_processes > 1:

@@ -145,6 +145,9 @@ class Args:
     """step samples per optimizer step"""
     micro_batch_size: int = 16
     """step samples per forward pass [preset: tiny 16 (faster on CPU than 64) | real 8]"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's layer activations in the backward pass instead of keeping them: less
+    memory, a slower update (README, "Memory") [preset: tiny off | real on]"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of every optimizer step"""
     rollout_temperature: float = 1.0
@@ -212,7 +215,8 @@ class Args:
 
 
 REAL_MODEL_PRESETS = dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50,
-                          learning_rate=1e-5, micro_batch_size=8, max_new_tokens=512,
+                          learning_rate=1e-5, micro_batch_size=8,
+                          gradient_checkpointing=True, max_new_tokens=512,
                           history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,
                           bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
                           eval_every=5, eval_num_tasks=0)
@@ -1218,6 +1222,8 @@ def main(args: Args) -> dict:
     else:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
     model.print_trainable_parameters()
+    if args.gradient_checkpointing:  # non-reentrant: works with the frozen embeddings of LoRA
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if dist.num_processes > 1:
         for p in model.parameters():
             if p.requires_grad:  # the same start everywhere, whatever each device's init did

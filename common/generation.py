@@ -128,17 +128,20 @@ class ContinuousBatching:
     Same contract as hf_generate, and the same tokens: greedy outputs equal hf_generate's (tested
     on the tiny model), and sampling records the log-probabilities of softmax(logits / T) the
     tokens were drawn from. The model's weights are read at every forward and the cache is
-    emptied at every call, so an optimizer step on the LoRA weights reaches the next call. Sampling draws from torch's global generator, as
-    hf_generate does: transformers reseeds that generator when it builds a manager, so the state
-    is saved and restored around it, and each call queues all its requests before the engine's
-    loop takes any, so a batch is scheduled, and its draws are made, the same way for a seed.
+    emptied at every call, so an optimizer step on the LoRA weights reaches the next call.
+    Sampling draws from torch's global generator, as hf_generate does: transformers reseeds that
+    generator when it builds a manager, so the state is saved and restored around it, and each
+    call queues all its requests before the engine's loop takes any, so a batch is scheduled,
+    and its draws are made, the same way for a seed.
 
     The KV cache is sized to the workload: `max_requests` sequences of `max_sequence_tokens`
-    tokens (prompt + response) at once; more requests wait for a free slot."""
+    tokens (prompt + response) at once; more requests wait for a free slot. Built for a GPU
+    with flash attention; on CPU it is slower than hf_generate (README, "Rollout speed")."""
 
     PAGE_TOKENS = 64  # a page of KV cache; sequences here are short (a few hundred to 2k tokens)
     # Tokens in one forward pass. Without flash attention the engine holds a dense mask of this
-    # many rows over the whole cache: 1024 rows keep it near 0.6 GB for 64 sequences of 2k tokens.
+    # many rows over the whole cache (1024 rows: near 0.6 GB for 64 sequences of 2k tokens), and
+    # every query attends over the keys of the whole batch: a decoding step costs batch^2.
     BATCH_TOKENS = 1024
     SAMPLING_PROCESSORS = {"TemperatureLogitsWarper", "TopPLogitsWarper"}
 
@@ -160,16 +163,17 @@ class ContinuousBatching:
         config = sampling_config(temperature=temperature, top_p=top_p,
                                  max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids,
                                  pad_id=self.pad_id)
-        # auto_switch_to_flash=False: the attention the model was loaded with serves both the
-        # engine and the update (the engine's loop stays alive between calls, see generate).
+        # With flash attention installed the engine switches the model to it (its fast path:
+        # no mask over the whole batch), until close(); the update then runs with it too.
         cb_config = ContinuousBatchingConfig(
             page_size=self.PAGE_TOKENS, num_blocks=self.max_requests * self.blocks_per_request,
-            max_batch_tokens=self.BATCH_TOKENS, return_logprobs=return_logprobs,
-            auto_switch_to_flash=False)
+            max_batch_tokens=self.BATCH_TOKENS, return_logprobs=return_logprobs)
         hints = WorkloadHints(max_prompt_length=self.max_sequence_tokens - self.max_new_tokens,
                               max_generated_length=self.max_new_tokens,
                               num_requests=self.max_requests)
-        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        inner = self.model
+        if hasattr(inner, "get_base_model"):  # a peft model: the engine drives the LoRA'd model
+            inner = inner.get_base_model()
         cpu_state = torch.get_rng_state()
         cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         try:

@@ -114,6 +114,45 @@ def test_recorded_old_logprobs_give_the_update_of_scored_ones(tiny):
         assert torch.allclose(recorded_weights[n], w, atol=1e-5), n
 
 
+def test_gradient_checkpointing_gives_the_same_update(tiny):
+    """--gradient-checkpointing recomputes activations in the backward pass: the same batch gives
+    the same loss and the same new LoRA weights (to float tolerance) as keeping them."""
+    base, tok = tiny
+    args = Args(micro_batch_size=3, minibatch_size=4, ppo_epochs=2)
+    prompts = [chat_ids(tok, build_prompt(TASK, HISTORY[:k], OBS, ADMISSIBLE, k + 1, 1, False))
+               for k in range(6)]
+    model = add_lora(base, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    try:
+        start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        torch.manual_seed(0)
+        responses, logprobs = Policy(args, model, tok).generate(prompts, args.rollout_temperature)
+        samples = [(p, r, (-1.0) ** k, lp)
+                   for k, (p, r, lp) in enumerate(zip(prompts, responses, logprobs))]
+        results = []
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(start[n])
+            optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+            stats = policy_update(args, model, tok, optimizer, samples,
+                                  torch.Generator().manual_seed(0), 1)
+            results.append((stats["train/loss"], {n: p.detach().clone() for n, p in
+                                                  model.named_parameters() if p.requires_grad}))
+        assert model.base_model.model.model.gradient_checkpointing
+    finally:
+        model.gradient_checkpointing_disable()
+        model.unload()
+    (kept_loss, kept), (recomputed_loss, recomputed) = results
+    assert kept_loss == pytest.approx(recomputed_loss, abs=1e-6) and kept_loss != 0
+    assert any(not torch.equal(w, start[n]) for n, w in kept.items())
+    for n, w in kept.items():
+        assert torch.allclose(recomputed[n], w, atol=1e-6), n
+
+
 def test_policy_generates_until_any_eos_of_the_generation_config(tiny):
     model, tok = tiny
     saved = model.generation_config.eos_token_id
