@@ -1537,6 +1537,8 @@ def main(args: Args) -> dict:
     print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} (final), "
           f"best {summary['best_success']:.3f}; logs and checkpoint in {run_path} "
           f"(tensorboard --logdir {args.run_dir})")
+    if policy.batcher is not None:  # free its KV caches, restore the model's attention
+        policy.batcher.close()
     if dist.num_processes > 1:
         dist.destroy_process_group()
     return summary

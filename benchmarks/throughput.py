@@ -3,13 +3,14 @@
 For one model and one batch shape it measures, and prints as markdown tables:
   1. generation: generated tokens per second of each rollout backend (hf: transformers `generate`
      with a KV cache; hf-cb: continuous batching, common.generation.ContinuousBatching), greedy,
-     every prompt forced to exactly --new-tokens tokens; beside it the memory-bandwidth bound
-     for that shape and the ratio. The bound: a decoding step reads every weight once and the
-     KV cache of every sequence, so it takes at least (weight bytes + KV bytes) / bandwidth;
-     tokens/s <= batch / that. The KV bytes are counted at the average context (prompt + half
-     the new tokens). The bandwidth is --bandwidth-gbs, or measured here by copying a large
-     tensor on the device (a copy's read + write bytes over its time). The backends' greedy
-     tokens are compared with hf's.
+     every prompt forced to exactly --new-tokens tokens, for the whole call and for decoding
+     alone (the call minus a call that generates one token, i.e. the prompt pass); beside the
+     latter the memory-bandwidth bound of decoding for that shape and the ratio. The bound: a
+     decoding step reads every weight once and the KV cache of every sequence, so it takes at
+     least (weight bytes + KV bytes) / bandwidth; tokens/s <= batch / that. The KV bytes are
+     counted at the average context (prompt + half the new tokens). The bandwidth is
+     --bandwidth-gbs, or measured here by copying a large tensor on the device (a copy's read +
+     write bytes over its time). The backends' greedy tokens are compared with hf's.
   2. the policy update: prompt + response tokens per second of a LoRA update (forward, PPO's
      scoring pass with logits only at response positions, backward, AdamW step) in micro-batches,
      and its peak memory (CUDA's allocator peak, or the process's peak RSS on CPU).
@@ -126,7 +127,8 @@ def random_prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[
 def time_generation(model, backend: str, prompts: list[list[int]], new_tokens: int,
                     repeats: int, device: str) -> tuple[float, list[list[int]]]:
     """(seconds per call, the replies): greedy, no eos (an id outside the vocabulary), so every
-    reply has exactly new_tokens tokens; one untimed call first (warm-up, CUDA graphs)."""
+    reply has exactly new_tokens tokens; one untimed call first (warm-up, CUDA graphs); the
+    best of `repeats` calls."""
     no_eos = [model.config.vocab_size + 1]
     batcher = None
     if backend == "hf":
@@ -143,12 +145,14 @@ def time_generation(model, backend: str, prompts: list[list[int]], new_tokens: i
             return batcher.generate(prompts, temperature=0.0)
     try:
         replies = call()
-        _sync(device)
-        began = time.perf_counter()
+        best = float("inf")
         for _ in range(repeats):
+            _sync(device)
+            began = time.perf_counter()
             call()
-        _sync(device)
-        return (time.perf_counter() - began) / repeats, replies
+            _sync(device)
+            best = min(best, time.perf_counter() - began)
+        return best, replies
     finally:
         if batcher is not None:
             batcher.close()
@@ -163,6 +167,7 @@ def peak_memory_reset(device: str) -> None:
 def peak_memory_gb(device: str) -> float:
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**30
+    # The process's peak so far (it cannot be reset): run with --backends alone for the update.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
@@ -232,17 +237,19 @@ def main(argv: list[str]) -> str:
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers of a shape:NAME model (default: the real number)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--batch", type=int, default=64, help="sequences generated at once")
     parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32, help="at least 2")
     parser.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS,
                         help="rollout backends to time (none: only the update)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls after one warm-up")
     parser.add_argument("--bandwidth-gbs", type=float, default=None,
                         help="memory bandwidth in GB/s for the bound (default: measured)")
     parser.add_argument("--update-batch", type=int, default=8,
-                        help="sequences in the update (0 skips it); default: a group of 8")
+                        help="sequences in the update (0 skips it); default: a group of 8. On "
+                        "CPU its peak is the process's (RSS): give --backends alone for it")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--iteration", action="store_true",
@@ -260,10 +267,20 @@ def main(argv: list[str]) -> str:
         bad.append(f"--layers must be >= 1 (got {args.layers})")
     if args.bandwidth_gbs is not None and args.bandwidth_gbs <= 0:
         bad.append(f"--bandwidth-gbs must be > 0 (got {args.bandwidth_gbs})")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        bad.append(f"--device {args.device}: no CUDA device here")
+    if args.new_tokens == 1:
+        bad.append("--new-tokens must be >= 2 (decoding is timed as the call minus its first "
+                   "token)")
+    if args.device.startswith("cuda"):
+        index = args.device.partition(":")[2]
+        if not torch.cuda.is_available():
+            bad.append(f"--device {args.device}: no CUDA device here")
+        elif index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            bad.append(f"--device {args.device}: {torch.cuda.device_count()} CUDA devices here")
+    elif args.device != "cpu":
+        bad.append(f"--device {args.device}: cpu, cuda or cuda:N")
     if bad:
         raise UsageError("\n".join(bad))
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, args.dtype)
     device_name = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
                    else f"CPU, {torch.get_num_threads()} threads")
@@ -278,20 +295,23 @@ def main(argv: list[str]) -> str:
     lines = [f"model {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
              f"parameters, {args.dtype}), {device_name}; bandwidth {bandwidth / 1e9:.1f} GB/s "
              f"({source}); prompt {args.prompt_tokens} + {args.new_tokens} new tokens", "",
-             "| backend | batch | tokens/s | bound tokens/s | ratio | greedy = hf | device |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| backend | batch | call tokens/s | decode tokens/s | decode bound | ratio | "
+             "greedy = hf | device |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     reference = None
     for backend in args.backends:
         print(f"generating with {backend} ...", file=sys.stderr, flush=True)
         seconds, replies = time_generation(model, backend, prompts, args.new_tokens,
                                            args.repeats, args.device)
+        prompt_pass, _ = time_generation(model, backend, prompts, 1, args.repeats, args.device)
         reference = replies if backend == "hf" else reference
         same = "-" if reference is None or backend == "hf" else (
             "yes" if replies == reference else
             f"{sum(a == b for a, b in zip(replies, reference))}/{len(replies)}")
-        tokens_per_second = args.batch * args.new_tokens / seconds
-        lines.append(f"| {backend} | {args.batch} | {tokens_per_second:,.0f} | {bound:,.0f} | "
-                     f"{tokens_per_second / bound:.3f} | {same} | {device_name} |")
+        call = args.batch * args.new_tokens / seconds
+        decode = args.batch * (args.new_tokens - 1) / max(seconds - prompt_pass, 1e-9)
+        lines.append(f"| {backend} | {args.batch} | {call:,.0f} | {decode:,.0f} | {bound:,.0f} | "
+                     f"{decode / bound:.3f} | {same} | {device_name} |")
     if args.update_batch:
         print("timing the update ...", file=sys.stderr, flush=True)
         update_prompts = prompts[:args.update_batch]

@@ -121,22 +121,24 @@ def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[i
 
 class ContinuousBatching:
     """transformers' continuous batching (`generate_batch`'s engine: a paged KV cache, a prompt
-    prefix shared between requests, CUDA graphs on GPU) with one manager per sampling setting,
+    prefix shared between requests; CUDA graphs on GPU with flash attention installed, which the
+    engine then switches the model to until close()) with one manager per sampling setting,
     kept for the whole run. A lock-step rollout generates at every environment step; a manager
     made per call would allocate its cache and warm up (capture its CUDA graphs) every time.
 
     Same contract as hf_generate, and the same tokens: greedy outputs equal hf_generate's (tested
-    on the tiny model), and sampling records the log-probabilities of softmax(logits / T) the
-    tokens were drawn from. The model's weights are read at every forward and the cache is
-    emptied at every call, so an optimizer step on the LoRA weights reaches the next call.
-    Sampling draws from torch's global generator, as hf_generate does: transformers reseeds that
-    generator when it builds a manager, so the state is saved and restored around it, and each
-    call queues all its requests before the engine's loop takes any, so a batch is scheduled,
-    and its draws are made, the same way for a seed.
+    on the tiny model in fp32; bf16 kernels round differently), and sampling records the
+    log-probabilities of softmax(logits / T) the tokens were drawn from. The model's weights are
+    read at every forward and the cache is emptied at every call, so an optimizer step on the
+    LoRA weights reaches the next call. Sampling draws from torch's global generator, as
+    hf_generate does: transformers reseeds that generator when it builds a manager, so the state
+    is saved and restored around it, and each call queues all its requests before the engine's
+    loop takes any, so a batch is scheduled, and its draws are made, the same way for a seed.
 
-    The KV cache is sized to the workload: `max_requests` sequences of `max_sequence_tokens`
-    tokens (prompt + response) at once; more requests wait for a free slot. Built for a GPU
-    with flash attention; on CPU it is slower than hf_generate (README, "Rollout speed")."""
+    Each manager's KV cache is sized to the workload: `max_requests` sequences of
+    `max_sequence_tokens` tokens (prompt + response) at once; more requests wait for a free
+    slot. Built for a GPU with flash attention; on CPU it is slower than hf_generate (README,
+    "Rollout speed"). close() frees the caches."""
 
     PAGE_TOKENS = 64  # a page of KV cache; sequences here are short (a few hundred to 2k tokens)
     # Tokens in one forward pass. Without flash attention the engine holds a dense mask of this
@@ -164,7 +166,7 @@ class ContinuousBatching:
                                  max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids,
                                  pad_id=self.pad_id)
         # With flash attention installed the engine switches the model to it (its fast path:
-        # no mask over the whole batch), until close(); the update then runs with it too.
+        # no mask over the whole batch, CUDA graphs), until close(); the update runs with it too.
         cb_config = ContinuousBatchingConfig(
             page_size=self.PAGE_TOKENS, num_blocks=self.max_requests * self.blocks_per_request,
             max_batch_tokens=self.BATCH_TOKENS, return_logprobs=return_logprobs)
@@ -209,12 +211,21 @@ class ContinuousBatching:
             raise ValueError("return_logprobs needs temperature > 0 and top_p == 1")
         if not prompts:
             return ([], []) if return_logprobs else []
-        manager = self._manager(temperature, top_p if temperature > 0 else 1.0, return_logprobs)
-        if not manager.is_running():
-            raise RuntimeError("the continuous batching loop has stopped: "
-                               f"{manager.background_thread_status.fatal_error}")
-        was_training = self.model.training
+        longest = self.max_sequence_tokens - self.max_new_tokens
+        if not all(1 <= len(p) <= longest for p in prompts):  # the engine would fail the batch
+            raise ValueError(f"every prompt needs 1 to {longest} tokens (max_sequence_tokens "
+                             f"{self.max_sequence_tokens} - max_new_tokens "
+                             f"{self.max_new_tokens}); got {min(map(len, prompts))} to "
+                             f"{max(map(len, prompts))}")
+        was_training = self.model.training  # building a manager sets eval mode
         self.model.eval()
+        key = (temperature, top_p if temperature > 0 else 1.0, return_logprobs)
+        manager = self._manager(*key)
+        if not manager.is_running() or manager.batch_processor.has_pending_requests():
+            # An earlier call failed or was interrupted: its loop died or still holds requests.
+            manager.destroy()
+            del self.managers[key]
+            manager = self._manager(*key)
         results = {}
         try:
             with manager.pause():  # the loop takes the requests only once all are queued
@@ -222,9 +233,10 @@ class ContinuousBatching:
                 # then: shared prefixes are reused within a call only.
                 manager.batch_processor.cache.reset()
                 ids = manager.add_requests(inputs=prompts, max_new_tokens=self.max_new_tokens)
+            wanted = set(ids)
             while len(results) < len(ids):
                 result = manager.get_result(timeout=1)
-                if result is not None and result.is_finished():
+                if result is not None and result.is_finished() and result.request_id in wanted:
                     results[result.request_id] = result
                 elif result is None and not manager.is_running():
                     raise RuntimeError("the continuous batching loop stopped: "
@@ -243,7 +255,8 @@ class ContinuousBatching:
         return (out, logprobs) if return_logprobs else out
 
     def close(self) -> None:
-        """Stop every manager's loop thread and free its cache."""
+        """Stop every manager's loop thread and free its cache (and restore the attention
+        implementation the engine may have switched to)."""
         for manager in self.managers.values():
             manager.stop(block=True)
             manager.destroy()

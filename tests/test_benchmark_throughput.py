@@ -40,12 +40,13 @@ def test_the_benchmark_at_a_tiny_size():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     rows = {m.group(1): m for m in re.finditer(
-        r"^\| (hf|hf-cb) \| 4 \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \| (-|yes) \|", out, re.M)}
-    assert set(rows) == {"hf", "hf-cb"} and rows["hf-cb"].group(5) == "yes"
+        r"^\| (hf|hf-cb) \| 4 \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \| (-|yes) \|",
+        out, re.M)}
+    assert set(rows) == {"hf", "hf-cb"} and rows["hf-cb"].group(6) == "yes"
     for row in rows.values():
-        tokens, bound = (float(row.group(k).replace(",", "")) for k in (2, 3))
-        assert 0 < tokens < bound and float(row.group(4)) == pytest.approx(tokens / bound,
-                                                                           abs=1e-3)
+        call, decode, bound = (float(row.group(k).replace(",", "")) for k in (2, 3, 4))
+        assert 0 < call and 0 < decode < bound
+        assert float(row.group(5)) == pytest.approx(decode / bound, abs=1e-3)
     assert re.search(r"^\| LoRA r16 \| 3 x 30 \| 2 \| yes \| [\d,]+ \| [\d.]+ \(peak RSS\) \|$",
                      out, re.M)
     for backend in ("hf", "hf-cb"):
@@ -59,6 +60,8 @@ def test_the_benchmark_at_a_tiny_size():
     (["--model", "shape:Qwen9-1B"], "known shapes are"),
     (["--layers", "2"], "--layers is for shape:NAME models only"),
     (["--bandwidth-gbs", "-1"], "--bandwidth-gbs must be > 0"),
+    (["--new-tokens", "1"], "--new-tokens must be >= 2"),
+    (["--device", "tpu"], "--device tpu: cpu, cuda or cuda:N"),
 ])
 def test_bad_input_is_a_clear_error(flags, message):
     result = run(*flags)

@@ -79,15 +79,53 @@ def test_continuous_batching_greedy_equals_eager_generate(policy):
 
 
 def test_continuous_batching_restores_the_train_mode(policy):
+    """With a LoRA model and with a plain one (whose manager, when built, sets eval mode)."""
+    model, tok, prompts = policy
+    plain, _ = load_model_and_tokenizer("tiny")
+    for net in (model, plain):
+        for training in (True, False):
+            net.train(training)
+            batcher = make_batcher(net, tok)
+            try:
+                batcher.generate(prompts[:2], temperature=0.0)
+            finally:
+                batcher.close()
+            assert net.training == training
+
+
+def test_continuous_batching_long_prompts_and_a_small_cache(policy):
+    """A prompt longer than one forward pass's 1,024 tokens (prefilled in two passes), through a
+    cache of two sequences: still hf_generate's greedy tokens. Prompts the cache cannot hold,
+    or empty ones, are refused before the engine sees them, and the engine serves on."""
+    model, tok, prompts = policy
+    eos = eos_token_ids(model, tok)
+    long_prompt = (prompts[8] * 8)[:1100]
+    batch = [long_prompt, prompts[0], prompts[17], long_prompt[:600]]
+    batcher = ContinuousBatching(model, pad_id=tok.pad_token_id, eos_ids=eos, max_new_tokens=10,
+                                 max_sequence_tokens=1200, max_requests=2)
+    try:
+        eager = hf_generate(model, batch, pad_id=tok.pad_token_id, eos_ids=eos,
+                            max_new_tokens=10, temperature=0.0)
+        assert batcher.generate(batch, temperature=0.0) == eager
+        for bad in ([long_prompt + long_prompt[:150]], [[]]):
+            with pytest.raises(ValueError, match="every prompt needs 1 to 1190 tokens"):
+                batcher.generate(bad, temperature=0.0)
+        assert batcher.generate(batch[1:2], temperature=0.0) == eager[1:2]
+    finally:
+        batcher.close()
+
+
+def test_continuous_batching_replaces_an_engine_whose_loop_died(policy):
     model, tok, prompts = policy
     batcher = make_batcher(model, tok)
-    for training in (True, False):
-        model.train(training)
-        try:
-            batcher.generate(prompts[:2], temperature=0.0)
-        finally:
-            batcher.close()
-        assert model.training == training
+    try:
+        first = batcher.generate(prompts[:3], temperature=0.0)
+        (manager,) = batcher.managers.values()
+        manager.stop(block=True)  # as a crash of its loop would leave it
+        assert batcher.generate(prompts[:3], temperature=0.0) == first
+        assert next(iter(batcher.managers.values())) is not manager
+    finally:
+        batcher.close()
 
 
 def test_continuous_batching_sampling_is_seeded_and_records_the_tempered_logprobs(policy):
