@@ -127,7 +127,7 @@ class Args:
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
     """rollout generation: transformers generate (KV cache), hf-cb (transformers continuous
     batching: paged KV cache, shared prompt prefixes, CUDA graphs) or vLLM with the LoRA adapter
-    (GPU). hf and hf-cb give the same greedy replies (README, "Rollout speed")"""
+    (GPU). hf and hf-cb give the same greedy replies in fp32 (README, "Rollout speed")"""
     device: str = "cpu"
     """torch device [preset: cuda when available, else cpu]"""
     track: bool = False
