@@ -1,5 +1,5 @@
 """benchmarks/throughput.py: the bandwidth bound worked by hand, and the whole benchmark at a tiny
-size (both backends, the update, one proxmo.py iteration each) so that it cannot rot."""
+size (both backends and the update; one proxmo.py iteration with hf-cb) so that it cannot rot."""
 
 import os
 import re
@@ -13,7 +13,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from throughput import bandwidth_bound  # noqa: E402
+from common import UsageError  # noqa: E402
+from throughput import ITERATION_PARTS, bandwidth_bound, iteration_breakdown, main  # noqa: E402
 
 
 def test_bandwidth_bound_by_hand():
@@ -36,7 +37,7 @@ def run(*flags):
 def test_the_benchmark_at_a_tiny_size():
     result = run("--batch", "4", "--prompt-tokens", "24", "--new-tokens", "6", "--repeats", "1",
                  "--update-batch", "3", "--micro-batch", "2", "--gradient-checkpointing",
-                 "--iteration", "--iteration-tasks", "1", "--device", "cpu")
+                 "--device", "cpu")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     rows = {m.group(1): m for m in re.finditer(
@@ -49,10 +50,13 @@ def test_the_benchmark_at_a_tiny_size():
         assert float(row.group(5)) == pytest.approx(decode / bound, abs=1e-3)
     assert re.search(r"^\| LoRA r16 \| 3 x 30 \| 2 \| yes \| [\d,]+ \| [\d.]+ \(peak RSS\) \|$",
                      out, re.M)
-    for backend in ("hf", "hf-cb"):
-        line = re.search(rf"^\| {backend} \| ([\d. |]+)\|$", out, re.M).group(1)
-        parts = [float(x) for x in line.split("|")]
-        assert len(parts) == 8 and parts[-1] >= max(parts[:-1]) > 0
+
+
+def test_one_iteration_split_into_its_parts():
+    parts = iteration_breakdown("hf-cb", "cpu", tasks=1)
+    assert set(parts) == {*ITERATION_PARTS, "iteration"}
+    assert parts["generation"] > 0 and parts["update"] > 0
+    assert sum(parts[p] for p in ITERATION_PARTS) <= parts["iteration"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -64,6 +68,12 @@ def test_the_benchmark_at_a_tiny_size():
     (["--device", "tpu"], "--device tpu: cpu, cuda or cuda:N"),
 ])
 def test_bad_input_is_a_clear_error(flags, message):
-    result = run(*flags)
-    assert result.returncode == 2 and message in result.stderr
+    with pytest.raises(UsageError, match=re.escape(message)):
+        main(flags)
+
+
+def test_bad_input_exits_2_without_a_traceback():
+    result = run("--batch", "0", "--new-tokens", "1")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--batch must be >= 1" in result.stderr and "--new-tokens must be >= 2" in result.stderr
     assert "Traceback" not in result.stderr
