@@ -143,8 +143,9 @@ class Args:
     household start, assets/tiny-household) or tiny-scratch (random weights; BC first)"""
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
     """rollout generation: transformers generate (KV cache), hf-cb (transformers continuous
-    batching: paged KV cache, shared prompt prefixes, CUDA graphs) or vLLM with the LoRA adapter
-    (GPU). hf and hf-cb give the same greedy replies in fp32 (README, "Rollout speed")"""
+    batching: paged KV cache, shared prompt prefixes; built for a GPU with flash attention) or
+    vLLM with the LoRA adapter (GPU). hf and hf-cb give the same greedy replies in fp32 (README,
+    "Rollout speed")"""
     device: str = "cpu"
     """torch device [preset: cuda when available, else cpu]"""
     track: bool = False
