@@ -76,6 +76,17 @@ class SampledLogprobs:
         return torch.stack([*self.chosen, last], dim=1)
 
 
+def _check_recordable(return_logprobs: bool, temperature: float, top_p: float) -> None:
+    """Recorded log-probs are those of softmax(logits / T): plain sampling only."""
+    if return_logprobs and (temperature <= 0 or top_p < 1):
+        raise ValueError("return_logprobs needs temperature > 0 and top_p == 1")
+
+
+def _through_first_eos(tokens: list[int], eos_ids: list[int]) -> int:
+    """How many of `tokens` a response keeps: up to and including the first eos."""
+    return next((j + 1 for j, t in enumerate(tokens) if t in eos_ids), len(tokens))
+
+
 @torch.no_grad()
 def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[int],
                 max_new_tokens: int, temperature: float, top_p: float = 1.0,
@@ -86,8 +97,7 @@ def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[i
     With return_logprobs (sampling at temperature > 0 without top-p only), also the
     log-probability of each response token under softmax(logits / temperature), the distribution
     it was drawn from: (responses, logprobs), lists of equal lengths."""
-    if return_logprobs and (temperature <= 0 or top_p < 1):
-        raise ValueError("return_logprobs needs temperature > 0 and top_p == 1")
+    _check_recordable(return_logprobs, temperature, top_p)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -111,7 +121,7 @@ def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[i
         new_tokens = generated[:, width:]
         chosen = recorder.finish(new_tokens).cpu() if recorder else None
         for k, row in enumerate(new_tokens.tolist()):
-            cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
+            cut = _through_first_eos(row, eos_ids)
             out.append(row[:cut])
             if recorder:
                 logprobs.append(chosen[k, :cut].tolist())
@@ -152,23 +162,30 @@ class ContinuousBatching:
         self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
         self.max_new_tokens = max_new_tokens
         self.max_sequence_tokens, self.max_requests = max_sequence_tokens, max_requests
-        self.blocks_per_request = math.ceil(max_sequence_tokens / self.PAGE_TOKENS) + 1
         self.managers: dict = {}
 
-    def _manager(self, temperature: float, top_p: float, return_logprobs: bool):
-        key = (temperature, top_p, return_logprobs)
-        if key in self.managers:
-            return self.managers[key]
+    def _manager(self, key: tuple[float, float, bool]):
+        """The running manager of a (temperature, top_p, return_logprobs) setting: built on first
+        use, and built again if an earlier call failed or was interrupted (its loop died, or
+        still holds requests)."""
+        manager = self.managers.get(key)
+        if manager is not None:
+            if manager.is_running() and not manager.batch_processor.has_pending_requests():
+                return manager
+            manager.destroy()
+            del self.managers[key]
+        temperature, top_p, return_logprobs = key
         from transformers import ContinuousBatchingConfig
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
         config = sampling_config(temperature=temperature, top_p=top_p,
                                  max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids,
                                  pad_id=self.pad_id)
+        pages_per_sequence = math.ceil(self.max_sequence_tokens / self.PAGE_TOKENS) + 1
         # With flash attention installed the engine switches the model to it (its fast path:
         # no mask over the whole batch, CUDA graphs), until close(); the update runs with it too.
         cb_config = ContinuousBatchingConfig(
-            page_size=self.PAGE_TOKENS, num_blocks=self.max_requests * self.blocks_per_request,
+            page_size=self.PAGE_TOKENS, num_blocks=self.max_requests * pages_per_sequence,
             max_batch_tokens=self.BATCH_TOKENS, return_logprobs=return_logprobs)
         hints = WorkloadHints(max_prompt_length=self.max_sequence_tokens - self.max_new_tokens,
                               max_generated_length=self.max_new_tokens,
@@ -207,8 +224,7 @@ class ContinuousBatching:
                  return_logprobs: bool = False):
         """Response ids for each prompt, cut after the first eos (kept); with return_logprobs
         (temperature > 0, top_p == 1), also their log-probs: as hf_generate."""
-        if return_logprobs and (temperature <= 0 or top_p < 1):
-            raise ValueError("return_logprobs needs temperature > 0 and top_p == 1")
+        _check_recordable(return_logprobs, temperature, top_p)
         if not prompts:
             return ([], []) if return_logprobs else []
         longest = self.max_sequence_tokens - self.max_new_tokens
@@ -219,13 +235,8 @@ class ContinuousBatching:
                              f"{max(map(len, prompts))}")
         was_training = self.model.training  # building a manager sets eval mode
         self.model.eval()
-        key = (temperature, top_p if temperature > 0 else 1.0, return_logprobs)
-        manager = self._manager(*key)
-        if not manager.is_running() or manager.batch_processor.has_pending_requests():
-            # An earlier call failed or was interrupted: its loop died or still holds requests.
-            manager.destroy()
-            del self.managers[key]
-            manager = self._manager(*key)
+        manager = self._manager((temperature, top_p if temperature > 0 else 1.0,
+                                 return_logprobs))
         results = {}
         try:
             with manager.pause():  # the loop takes the requests only once all are queued
@@ -249,7 +260,7 @@ class ContinuousBatching:
             if result.error is not None:
                 raise RuntimeError(f"continuous batching failed a request: {result.error}")
             tokens = list(result.generated_tokens)
-            cut = next((j + 1 for j, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
+            cut = _through_first_eos(tokens, self.eos_ids)
             out.append(tokens[:cut])
             logprobs.append(list(result.logprobs[:cut]))
         return (out, logprobs) if return_logprobs else out
