@@ -1,0 +1,413 @@
+"""Real ALFWorld games with no download, made from the files the alfworld wheel ships.
+
+    python -m envs.alfworld_games --out ~/alfworld_data --per-type 20 --seed 1
+    export ALFWORLD_DATA=~/alfworld_data     # then: python proxmo.py --env alfworld ...
+
+The alfworld package ships everything a game is made of except where the objects lie: the PDDL
+domain (alfworld/data/alfred.pddl), the text grammar (alfred.twl2), the goals and their sentences
+(alfworld/gen/goal_library.py), the affordance tables (alfworld/gen/constants.py) and ALFRED's 120
+scene layouts (alfworld/gen/layouts/FloorPlan*: which object kinds a scene has, and each
+receptacle with the point the agent stands at to reach it). This module samples the missing part,
+object placements, and writes each game as alfworld's `alfworld-download` data holds it:
+
+    json_2.1.1/<split>/<task_type>-<Object>-<Mrecep>-<Recep>-<scene>/trial_T<seed>_<n>/
+        traj_data.json      task_type and pddl_params (what alfworld's expert reads)
+        initial_state.pddl  the PDDL problem: objects, facts, goal
+        game.tw-pddl        domain + grammar (with the goal sentence) + problem, solvable, walkthrough
+
+Only games that alfworld's hand-coded expert wins (driven by envs/alfworld_env.py, with its
+pick-two fix) are kept; the expert's commands are the walkthrough.
+
+These are real ALFWorld games on the real engine (TextWorld's PDDL environment, ALFWorld's domain,
+grammar and expert) in ALFRED's rooms, but NOT the benchmark's games: ALFRED placed its objects with
+the THOR simulator, here they are sampled. Scores on them are not comparable with published
+ALFWorld numbers; for those, fetch the real games with `alfworld-download`.
+
+Splits by scene, as ALFRED splits them: train and valid_seen from ALFRED's training FloorPlans
+(valid_seen with other placements, drawn from its own random stream), valid_unseen from the six
+test FloorPlans of each room type (1-6, 201-206, 301-306, 401-406) that training never sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import re
+import sys
+import time
+
+SPLITS = ("train", "valid_seen", "valid_unseen")
+TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+              "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep",
+              "pick_two_obj_and_place")
+# ALFRED's constraints on goals (its generate_trajectories.py): the object needs the affordance,
+# and the target is not the appliance that changes it; pick-two avoids tiny holders.
+PICKUP_AFFORDANCE = {"pick_clean_then_place_in_recep": "Cleanable",
+                     "pick_heat_then_place_in_recep": "Heatable",
+                     "pick_cool_then_place_in_recep": "Coolable"}
+APPLIANCE = {"pick_clean_then_place_in_recep": "SinkBasin",
+             "pick_heat_then_place_in_recep": "Microwave",
+             "pick_cool_then_place_in_recep": "Fridge"}
+INVALID_TARGETS = {**{t: {a} for t, a in APPLIANCE.items()},
+                   "pick_two_obj_and_place": {"CoffeeMachine", "ToiletPaperHanger",
+                                              "HandTowelHolder"}}
+LAMP = "DeskLamp"  # the light of look_at_obj_in_light; it stands on one of these
+LAMP_STANDS = ("Desk", "SideTable", "Dresser")
+MAX_INSTANCES = 3  # copies of one object kind in a scene (ALFRED's MAX_NUM_OF_OBJ_INSTANCES)
+MAX_EXPERT_STEPS = 50  # a game is kept when the expert wins it within this many steps
+
+
+def wheel_paths() -> dict:
+    """Where the alfworld wheel keeps the domain, the grammar and the scene layouts."""
+    import alfworld
+
+    root = os.path.dirname(alfworld.__file__)
+    return {"domain": os.path.join(root, "data", "alfred.pddl"),
+            "grammar": os.path.join(root, "data", "alfred.twl2"),
+            "layouts": os.path.join(root, "gen", "layouts")}
+
+
+def mangle(name: str) -> str:
+    """An ALFRED id as a PDDL name, the way alfworld writes it (Demangler reverses it)."""
+    for old, new in (("-", "_minus_"), ("|", "_bar_"), ("+", "_plus_"), (".", "_dot_"),
+                     (",", "_comma_")):
+        name = name.replace(old, new)
+    return name
+
+
+def receptacle_kind(receptacle_id: str) -> str:
+    """"Cabinet|+00.68|+00.50|-02.20" -> Cabinet; "Sink|-01.90|+00.97|-01.50|SinkBasin" ->
+    SinkBasin (ALFRED names a basin after its sink and ends its id with the basin's kind)."""
+    parts = receptacle_id.split("|")
+    return parts[-1] if parts[-1].isalpha() else parts[0]
+
+
+def scene_numbers(split: str) -> list[int]:
+    """ALFRED's FloorPlans of a split: its test scenes are this generator's unseen ones."""
+    from alfworld.gen import constants
+
+    if split == "valid_unseen":
+        return sorted(constants.TEST_SCENE_NUMBERS)
+    return sorted(constants.TRAIN_SCENE_NUMBERS)
+
+
+def room_type(scene: int) -> str:
+    from alfworld.gen import constants
+
+    return next(room for room, numbers in constants.SCENE_TYPE.items() if scene in numbers)
+
+
+def load_scene(scene: int, layouts: str) -> dict:
+    """A FloorPlan's object kinds and receptacles ({id: (x, z, rotation, horizon)})."""
+    stem = os.path.join(layouts, f"FloorPlan{scene}")
+    with open(stem + "-objects.json") as f:
+        kinds = json.load(f)
+    with open(stem + "-openable.json") as f:
+        receptacles = json.load(f)
+    return {"scene": scene, "kinds": sorted(set(kinds)), "receptacles": receptacles}
+
+
+def location(point) -> str:
+    """An interaction point (metres, degrees) as ALFRED's grid location loc|x|z|rotation|horizon."""
+    x, z, rotation, horizon = point
+    return "loc|%d|%d|%d|%d" % (round(x / 0.25), round(z / 0.25), round(rotation / 90), horizon)
+
+
+def placeable_kinds(scene: dict) -> list[str]:
+    """Object kinds of the scene that ALFRED puts in receptacles (so the agent can pick them)."""
+    from alfworld.gen import constants
+
+    held = set().union(*constants.VAL_RECEPTACLE_OBJECTS.values())
+    return [k for k in scene["kinds"] if k in held and k in constants.OBJECTS]
+
+
+def hosts(scene: dict, kind: str) -> list[str]:
+    """Receptacle ids of the scene that may hold an object of `kind` (VAL_RECEPTACLE_OBJECTS)."""
+    from alfworld.gen import constants
+
+    return sorted(r for r in scene["receptacles"]
+                  if kind in constants.VAL_RECEPTACLE_OBJECTS.get(receptacle_kind(r), ()))
+
+
+def sample_goal(task_type: str, scene: dict, rng: random.Random) -> dict | None:
+    """pddl_params of a plausible goal in `scene`, or None when the scene has none of this type."""
+    from alfworld.gen import constants
+
+    kinds = placeable_kinds(scene)
+    recep_kinds = {receptacle_kind(r) for r in scene["receptacles"]}
+    if task_type in APPLIANCE and APPLIANCE[task_type] not in recep_kinds:
+        return None
+    if task_type in PICKUP_AFFORDANCE:
+        kinds = [k for k in kinds if k in constants.VAL_ACTION_OBJECTS[PICKUP_AFFORDANCE[task_type]]]
+    if task_type == "look_at_obj_in_light":
+        if LAMP not in scene["kinds"] or not recep_kinds & set(LAMP_STANDS):
+            return None
+        kinds = [k for k in kinds if k not in constants.MOVABLE_RECEPTACLES_SET]
+        if not kinds:
+            return None
+        return {"object_target": rng.choice(kinds), "parent_target": "", "toggle_target": LAMP,
+                "mrecep_target": "", "object_sliced": False}
+    pairs = [(k, r) for k in kinds for r in sorted(recep_kinds)
+             if k in constants.VAL_RECEPTACLE_OBJECTS.get(r, ())
+             and r not in INVALID_TARGETS.get(task_type, ())
+             # the object must have somewhere else to start from
+             and any(receptacle_kind(h) != r for h in hosts(scene, k))]
+    if not pairs:
+        return None
+    obj, recep = rng.choice(pairs)
+    return {"object_target": obj, "parent_target": recep, "toggle_target": "",
+            "mrecep_target": "", "object_sliced": False}
+
+
+def object_id(kind: str, receptacle_id: str, taken: set, rng: random.Random) -> str:
+    """A fresh ALFRED-style id near its receptacle: Kind|x|y|z in metres."""
+    x, y, z = (float(v) for v in receptacle_id.split("|")[1:4])
+    while True:
+        xyz = [v + rng.uniform(-0.3, 0.3) for v in (x, y, z)]
+        oid = kind + "|" + "|".join(f"{v:+06.2f}" for v in xyz)
+        if oid not in taken:
+            taken.add(oid)
+            return oid
+
+
+def place_objects(scene: dict, params: dict, task_type: str,
+                  rng: random.Random) -> list[tuple[str, str, str]]:
+    """(object id, kind, receptacle id) of every object. The target starts outside every
+    receptacle of the goal's kind, so the goal does not hold at the start."""
+    target, goal_recep = params["object_target"], params["parent_target"]
+    placed, taken = [], set()
+    for kind in placeable_kinds(scene):
+        places = hosts(scene, kind)
+        if kind == target:
+            places = [r for r in places if receptacle_kind(r) != goal_recep]
+            count = rng.randint(2 if task_type == "pick_two_obj_and_place" else 1, MAX_INSTANCES)
+        else:
+            count = rng.randint(1, 2)
+        for _ in range(count if places else 0):
+            receptacle = rng.choice(places)
+            placed.append((object_id(kind, receptacle, taken, rng), kind, receptacle))
+    if params["toggle_target"]:
+        stands = sorted(r for r in scene["receptacles"] if receptacle_kind(r) in LAMP_STANDS)
+        stand = rng.choice(stands)
+        placed.append((object_id(LAMP, stand, taken, rng), LAMP, stand))
+    return placed
+
+
+def start_location(scene: dict, layouts: str, rng: random.Random) -> str:
+    """A reachable floor point where no receptacle is (the agent starts "in the middle of a
+    room"), from the scene's layout grid."""
+    import numpy as np
+
+    points = np.load(os.path.join(layouts, f"FloorPlan{scene['scene']}-layout.npy"))
+    used = {location(p) for p in scene["receptacles"].values()}
+    while True:
+        x, z = points[rng.randrange(len(points))]
+        loc = location((float(x), float(z), rng.choice((0, 90, 180, 270)), 30))
+        if loc not in used:
+            return loc
+
+
+def problem_pddl(scene: dict, placed: list, params: dict, task_type: str, start: str,
+                 name: str) -> str:
+    """The PDDL problem in the layout of alfworld's initial_state.pddl files. Every type name
+    the domain mentions (SinkBasinType, KnifeType, ...) is declared: Fast Downward needs it."""
+    from alfworld.gen import constants
+    from alfworld.gen import goal_library
+
+    static = sorted(set(constants.RECEPTACLES) - constants.MOVABLE_RECEPTACLES_SET)
+    otypes = sorted(constants.OBJECTS_SET - set(static))
+    receptacles = sorted(scene["receptacles"])
+    recep_loc = {r: location(p) for r, p in scene["receptacles"].items()}
+    locations = sorted(set(recep_loc.values()) | {start})
+    declared = (["agent1 - agent"] + [f"{o}Type - otype" for o in otypes]
+                + [f"{r}Type - rtype" for r in static]
+                + [f"{oid} - object" for oid, _, _ in placed]
+                + [f"{r} - receptacle" for r in receptacles]
+                + [f"{loc} - location" for loc in locations])
+    facts = [f"(atLocation agent1 {start})"]
+    for r in receptacles:
+        kind = receptacle_kind(r)
+        facts += [f"(receptacleType {r} {kind}Type)", f"(receptacleAtLocation {r} {recep_loc[r]})"]
+        if kind in constants.OPENABLE_CLASS_SET:
+            facts.append(f"(openable {r})")
+    for oid, kind, r in placed:
+        facts += [f"(objectType {oid} {kind}Type)", f"(objectAtLocation {oid} {recep_loc[r]})",
+                  f"(inReceptacle {oid} {r})"]
+        if kind == LAMP:
+            facts.append(f"(toggleable {oid})")
+            continue
+        facts.append(f"(pickupable {oid})")
+        for affordance, predicate in (("Cleanable", "cleanable"), ("Heatable", "heatable"),
+                                      ("Coolable", "coolable"), ("Sliceable", "sliceable")):
+            if kind in constants.VAL_ACTION_OBJECTS[affordance]:
+                facts.append(f"({predicate} {oid})")
+        if kind in constants.MOVABLE_RECEPTACLES_SET:
+            facts.append(f"(isReceptacleObject {oid})")
+    for rtype in static:
+        for otype in sorted(constants.VAL_RECEPTACLE_OBJECTS.get(rtype, ())):
+            if otype in otypes:
+                facts.append(f"(canContain {rtype}Type {otype}Type)")
+    goal = goal_library.gdict[task_type]["pddl"].format(
+        obj=params["object_target"], recep=params["parent_target"],
+        toggle=params["toggle_target"], mrecep=params["mrecep_target"]).replace("#", "-")
+    # goal_library's goal closes the (define ...) as well.
+    text = (f"(define (problem {name})\n    (:domain alfred)\n    (:objects\n        "
+            + "\n        ".join(declared) + "\n    )\n    (:init\n        "
+            + "\n        ".join(facts) + "\n    )\n" + goal.strip() + "\n")
+    # Ids carry ALFRED's characters; the " - " of declarations and goal variables stay.
+    return re.sub(r"[A-Za-z]+\|[^\s()]+|loc\|[^\s()]+", lambda m: mangle(m[0]), text)
+
+
+def goal_sentence(task_type: str, params: dict, rng: random.Random) -> str:
+    """One of goal_library's two templated sentences (alfworld's templated goals)."""
+    from alfworld.gen import goal_library
+
+    template = rng.choice(goal_library.gdict[task_type]["templates"])
+    return template.format(obj=params["object_target"].lower(),
+                           recep=params["parent_target"].lower(),
+                           toggle=params["toggle_target"].lower(),
+                           mrecep=params["mrecep_target"].lower())
+
+
+def expert_walkthrough(game_file: str, seed: int) -> list[str] | None:
+    """The hand-coded expert's commands when it wins the game within MAX_EXPERT_STEPS, else
+    None. The expert's rare random choices come from `random`, seeded here."""
+    from envs.alfworld_env import AlfworldEnv
+
+    random.seed(seed)
+    game = AlfworldEnv(game_file, max_steps=MAX_EXPERT_STEPS, expert=True)
+    game.reset()
+    if game.won:
+        return None
+    commands, done = [], False
+    while not done:
+        command = game.expert_action()
+        if command is None:
+            return None
+        commands.append(command)
+        _, _, done, info = game.step(command)
+    return commands if info["won"] else None
+
+
+def make_game(out: str, split: str, task_type: str, index: int, seed: int,
+              paths: dict) -> str | None:
+    """Sample, write and solve one game; its game file, or None when the draw gave no game the
+    expert wins (the written files are then removed). Deterministic in (seed, split, type, index)."""
+    rng = random.Random(f"{seed}/{split}/{task_type}/{index}")
+    scenes = [s for s in scene_numbers(split)
+              if room_type(s) in _goals_valid()[task_type]]
+    rng.shuffle(scenes)
+    for scene_number in scenes:  # the first scene of the shuffled order that has such a goal
+        scene = load_scene(scene_number, paths["layouts"])
+        params = sample_goal(task_type, scene, rng)
+        if params is not None:
+            break
+    else:
+        return None
+    placed = place_objects(scene, params, task_type, rng)
+    start = start_location(scene, paths["layouts"], rng)
+    trial = f"trial_T{seed}_{index:05d}"
+    folder = "-".join([task_type, params["object_target"], params["mrecep_target"] or "None",
+                       params["parent_target"] or params["toggle_target"], str(scene_number)])
+    root = os.path.join(out, "json_2.1.1", split, folder, trial)
+    problem = problem_pddl(scene, placed, params, task_type, start, f"plan_{trial}")
+    with open(paths["grammar"]) as f:
+        grammar = f.read().replace("UNKNOWN GOAL", goal_sentence(task_type, params, rng))
+    with open(paths["domain"]) as f:
+        domain = f.read()
+    traj = {"task_id": trial, "task_type": task_type, "pddl_params": params,
+            "scene": {"floor_plan": f"FloorPlan{scene_number}", "scene_num": scene_number,
+                      "random_seed": seed},
+            "generator": "envs/alfworld_games.py: sampled placements, not ALFRED's"}
+    os.makedirs(root, exist_ok=True)
+    game_file = os.path.join(root, "game.tw-pddl")
+    _write_json(os.path.join(root, "traj_data.json"), traj)
+    with open(os.path.join(root, "initial_state.pddl"), "w") as f:
+        f.write(problem)
+    game = {"pddl_domain": domain, "grammar": grammar, "pddl_problem": problem,
+            "solvable": None, "walkthrough": None}
+    _write_json(game_file, game)
+    walkthrough = expert_walkthrough(game_file, rng.randrange(2**32))
+    if walkthrough is None:
+        for name in ("traj_data.json", "initial_state.pddl", "game.tw-pddl"):
+            os.remove(os.path.join(root, name))
+        os.rmdir(root)
+        if not os.listdir(os.path.dirname(root)):
+            os.rmdir(os.path.dirname(root))
+        return None
+    _write_json(game_file, {**game, "solvable": True, "walkthrough": walkthrough})
+    return game_file
+
+
+def _goals_valid() -> dict:
+    from alfworld.gen import constants
+
+    return constants.GOALS_VALID
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def generate(out: str, per_type: int, seed: int, splits=SPLITS, task_types=TASK_TYPES,
+             max_draws: int = 5) -> dict:
+    """per_type games the expert wins for each split and task type; {(split, type): [files]}.
+    A draw the expert loses is skipped; at most max_draws * per_type draws per cell."""
+    paths = wheel_paths()
+    made = {}
+    for split in splits:
+        for task_type in task_types:
+            files, index = [], 0
+            while len(files) < per_type and index < max_draws * per_type:
+                started = time.time()
+                game_file = make_game(out, split, task_type, index, seed, paths)
+                index += 1
+                if game_file:
+                    files.append(game_file)
+                print(f"{split} {task_type}: {len(files)}/{per_type} games, draw {index} "
+                      f"({'kept' if game_file else 'dropped'}, {time.time() - started:.1f} s)",
+                      flush=True)
+            made[(split, task_type)] = files
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m envs.alfworld_games", description=__doc__.split("\n\n")[0],
+        epilog="These are real ALFWorld games on the real engine in ALFRED's scene layouts, but "
+               "not the benchmark's games (ALFRED placed its objects with the THOR simulator): "
+               "scores on them are not comparable with published ALFWorld numbers, for which "
+               "fetch the games with alfworld-download.")
+    parser.add_argument("--out", required=True,
+                        help="data root to write json_2.1.1/<split>/... under (set ALFWORLD_DATA "
+                             "to it)")
+    parser.add_argument("--per-type", type=int, default=20,
+                        help="games per task type and split (default 20)")
+    parser.add_argument("--seed", type=int, default=1, help="seeds every draw (default 1)")
+    parser.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS)
+    parser.add_argument("--task-types", nargs="+", default=list(TASK_TYPES), choices=TASK_TYPES)
+    args = parser.parse_args(argv)
+    if args.per_type < 1:
+        parser.error("--per-type must be >= 1")
+    if not 0 <= args.seed < 2**32:
+        parser.error("--seed must be in [0, 2**32)")
+    existing = glob.glob(os.path.join(args.out, "json_2.1.1", "*", "*", f"trial_T{args.seed}_*"))
+    if existing:
+        parser.error(f"{args.out} already holds games of seed {args.seed} ({existing[0]}); "
+                     "choose another --out or --seed")
+    made = generate(args.out, args.per_type, args.seed, args.splits, args.task_types)
+    short = {cell: len(files) for cell, files in made.items() if len(files) < args.per_type}
+    print(f"wrote {sum(len(f) for f in made.values())} games under "
+          f"{os.path.join(args.out, 'json_2.1.1')}")
+    for (split, task_type), count in short.items():
+        print(f"  only {count} {task_type} games in {split}: the expert lost the other draws",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
