@@ -325,9 +325,9 @@ def validate_args(args: Args) -> list[str]:
         (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
          f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
         (a.iterations >= 0, "--iterations must be >= 0"),
-        (a.model not in ("tiny", "tiny-scratch") or a.env == "household",
-         f"--model {a.model} knows only the household's words; for --env {a.env} pass a real "
-         "model, e.g. --model Qwen2.5-1.5B-Instruct"),
+        (a.model != "tiny" or a.env == "household",
+         f"--model tiny knows only the household's words; for --env {a.env} use --model "
+         "tiny-scratch (words from ALFWorld's grammar) or a real one, e.g. Qwen2.5-1.5B-Instruct"),
         (a.tasks_per_iteration >= 1, "--tasks-per-iteration must be >= 1"),
         (a.group_size >= 1, "--group-size must be >= 1"),
         (a.max_episode_steps >= 1, "--max-episode-steps must be >= 1"),

@@ -11,7 +11,10 @@ and the attributes task_type and task_description. Rewards are sparse: 1.0 on su
 
 from __future__ import annotations
 
+import random
+
 from common import UsageError
+from common.envbatch import WorkerPool
 from envs import alfworld_env, household
 
 ENV_NAMES = ("household", "alfworld")
@@ -45,13 +48,27 @@ def list_tasks(env_name: str, split: str, num_tasks: int | None = None) -> list:
     return files[:num_tasks] if num_tasks else files
 
 
-def make_game(env_name: str, task, max_steps: int, expert: bool = False):
+def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers: int = 0,
+              seed: int | None = None):
     """A game of `task`. expert=True is needed for expert_action() (behavior-cloning demos); the
-    household's expert is free, ALFWorld's makes every step slower."""
+    household's expert is free, ALFWorld's makes every step slower. workers > 0: the game lives in
+    one of `workers` processes (a common.envbatch.WorkerPool, started at the first such call and
+    kept), for ALFWorld's slow engine; EnvBatch steps such games at once. An ALFWorld expert's
+    rare random choices come from its own generator, seeded from `random` here (or by `seed`), so
+    a game plays the same in this process or in a worker."""
     _check(env_name)
+    if env_name == "alfworld" and seed is None:
+        seed = random.getrandbits(32)
+    if workers > 0:
+        if workers not in _POOLS:
+            _POOLS[workers] = WorkerPool(workers, make_game)
+        return _POOLS[workers].make(env_name, task, max_steps, expert, 0, seed)
     if env_name == "household":
         return household.HouseholdEnv(household.generate_task(task), max_steps=max_steps)
-    return alfworld_env.AlfworldEnv(task, max_steps=max_steps, expert=expert)
+    return alfworld_env.AlfworldEnv(task, max_steps=max_steps, expert=expert, seed=seed)
+
+
+_POOLS: dict = {}  # worker count -> WorkerPool, kept for the run
 
 
 def vocabulary(env_name: str) -> list[str]:
@@ -59,6 +76,4 @@ def vocabulary(env_name: str) -> list[str]:
     _check(env_name)
     if env_name == "household":
         return household.vocabulary()
-    raise UsageError("--model tiny-scratch builds its tokenizer over the built-in household's "
-                     "words; for --env alfworld pass a real model, e.g. --model "
-                     "Qwen2.5-1.5B-Instruct")
+    return alfworld_env.vocabulary()

@@ -15,11 +15,13 @@ and looped until the step limit; the expert is told "put X in/on Y" for such a c
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
 import random
 import re
+import sys
 
 from common import UsageError
 from envs.base import begin_step
@@ -67,6 +69,22 @@ def game_files(split: str) -> list[str]:
     return files
 
 
+def vocabulary() -> list[str]:
+    """Every word an ALFWorld game can print or accept, for the word-level tiny tokenizer: the
+    grammar's texts and command templates, the goal sentences' templates and the names of all
+    ALFRED object and receptacle kinds (a game names "sinkbasin 1" after its kind)."""
+    import alfworld
+    from alfworld.gen import constants, goal_library
+
+    with open(os.path.join(os.path.dirname(alfworld.__file__), "data", "alfred.twl2")) as f:
+        words = set(re.findall(r"[a-z]+", f.read().lower()))
+    for goal in goal_library.gdict.values():
+        words |= set(re.findall(r"[a-z]+", " ".join(goal["templates"]).lower()))
+    words |= {kind.lower() for kind in constants.OBJECTS_SET | constants.RECEPTACLES}
+    words |= {"welcome", "textworld", "alfred", "nothing", "happens"}
+    return sorted(words - {"obj", "recep", "toggle", "mrecep"})
+
+
 def expert_view(command: str) -> str:
     """The command as alfworld's hand-coded expert must see it to track its inventory: the
     grammar's "move X to Y" written as the older "put X in/on Y" (see the module docstring)."""
@@ -74,32 +92,74 @@ def expert_view(command: str) -> str:
     return f"put {moved[1]} in/on {moved[2]}" if moved else command
 
 
+def memoize_text_parses() -> None:
+    """Make TextWorld's PDDL engine parse each grammar template and logic query once per process.
+
+    At every step the engine re-parses, with TatSu, the same few hundred strings: the command
+    template and feedback rule of every applicable action and the conditions of the grammar's
+    rules (about 85 % of a step). Both parsers (textworld.envs.pddl.textgen's and
+    textworld.logic's `_parse_and_convert`) are pure functions of their arguments, so their
+    results are cached; each call gets a deep copy, because the derivation writes into the
+    symbols it is given. The observations and admissible commands are unchanged (tested)."""
+    from textworld import logic
+    from textworld.envs.pddl import textgen
+
+    for module in (textgen, logic):
+        parse = module._parse_and_convert
+        if getattr(parse, "memoized", False):
+            continue
+        cache = {}
+
+        def memoized(*args, _parse=parse, _cache=cache, **kwargs):
+            key = (args, tuple(sorted(kwargs.items())))
+            if key not in _cache:
+                _cache[key] = _parse(*args, **kwargs)
+            return copy.deepcopy(_cache[key])
+
+        memoized.memoized = True
+        module._parse_and_convert = memoized
+
+
+def _keeping_argv(call, *args):
+    """call(*args) with sys.argv restored afterwards: Fast Downward's translator, which every
+    load and reset runs, overwrites sys.argv with ['translate.py', 'domain', 'task']."""
+    argv = list(sys.argv)
+    try:
+        return call(*args)
+    finally:
+        sys.argv[:] = argv
+
+
 class AlfworldEnv:
     """One ALFWorld game. reset() -> first observation; step(command) -> (obs, reward, done, info).
     expert_action() needs expert=True."""
 
-    def __init__(self, game_file: str, max_steps: int = 50, expert: bool = False):
+    def __init__(self, game_file: str, max_steps: int = 50, expert: bool = False,
+                 seed: int | None = None):
         try:
             import textworld
             from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
         except ImportError as e:  # pragma: no cover - alfworld is in requirements.txt
             raise UsageError(f"--env alfworld needs the alfworld package ({e}); "
                              "pip install alfworld") from e
+        memoize_text_parses()
         self.game_file, self.max_steps, self.expert = game_file, max_steps, expert
         self.task_type = task_type_of(game_file)
         infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=expert,
                                    extras=["gamefile"])
-        self._env = textworld.start(game_file, infos, wrappers=[AlfredDemangler(), AlfredInfos])
+        self._env = _keeping_argv(textworld.start, game_file, infos,
+                                  [AlfredDemangler(), AlfredInfos])
         self._state = None
         self._played: list[str] = []
         self._expert_agent = None
         self._expert_plan = "look"
+        self._expert_random_state = random.Random(seed).getstate()  # see _update_expert
         self.task_description = ""
         self.steps = 0
         self.won = False
 
     def reset(self) -> str:
-        self._state = self._env.reset()
+        self._state = _keeping_argv(self._env.reset)
         self.steps, self.won, self._played = 0, False, []
         if self.expert:
             from alfworld.agents.expert import HandCodedTWAgent
@@ -144,15 +204,22 @@ class AlfworldEnv:
         if self._expert_agent is None:
             return
         admissible = self.admissible_actions()
+        # The expert draws from the global `random` (which object of several to take): give it
+        # this game's own stream, so a game plays the same in any process and leaves the
+        # caller's stream alone.
+        caller_state = random.getstate()
+        random.setstate(self._expert_random_state)
         try:
             action = self._expert_agent.policy.act(self._state, expert_view(command))
+            # HandCodedAgent.act's guard against repeating itself, on the command as played.
+            if action == command or (command == "look" and action not in admissible):
+                action = random.choice(admissible)
         except (HandCodedAgentFailed, HandCodedAgentTimeout, IndexError, KeyError, ValueError):
-            self._expert_agent, self._expert_plan = None, None
-            return
-        # HandCodedAgent.act's guard against repeating itself, on the command as played.
-        if action == command or (command == "look" and action not in admissible):
-            action = random.choice(admissible)
-        self._expert_plan = action if action in admissible else "look"
+            self._expert_agent, action = None, None
+        finally:
+            self._expert_random_state = random.getstate()
+            random.setstate(caller_state)
+        self._expert_plan = action if action in admissible or action is None else "look"
 
     def step(self, command: str) -> tuple[str, float, bool, dict]:
         command, valid = begin_step(self, command)

@@ -274,11 +274,10 @@ def goal_sentence(task_type: str, params: dict, rng: random.Random) -> str:
 
 def expert_walkthrough(game_file: str, seed: int) -> list[str] | None:
     """The hand-coded expert's commands when it wins the game within MAX_EXPERT_STEPS, else
-    None. The expert's rare random choices come from `random`, seeded here."""
+    None. `seed` seeds the expert's rare random choices."""
     from envs.alfworld_env import AlfworldEnv
 
-    random.seed(seed)
-    game = AlfworldEnv(game_file, max_steps=MAX_EXPERT_STEPS, expert=True)
+    game = AlfworldEnv(game_file, max_steps=MAX_EXPERT_STEPS, expert=True, seed=seed)
     game.reset()
     if game.won:
         return None

@@ -1,0 +1,229 @@
+"""Games generated from the alfworld wheel's files (envs/alfworld_games.py), played on the real
+engine: TextWorld's PDDL environment with ALFWorld's domain, grammar and hand-coded expert. The
+session fixture generates one game per task type for train and valid_unseen (about 25 s)."""
+
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from envs import alfworld_env, alfworld_games
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = 3
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("alfworld_data"))
+    made = alfworld_games.generate(root, per_type=1, seed=SEED, splits=("train", "valid_unseen"))
+    assert all(len(files) == 1 for files in made.values()), made
+    return root
+
+
+def games(root, split):
+    return sorted(glob.glob(os.path.join(root, "json_2.1.1", split, "*", "*", "game.tw-pddl")))
+
+
+def test_pure_helpers_by_hand():
+    assert alfworld_games.mangle("Sink|-01.90|+00.97|-01.50|SinkBasin") == (
+        "Sink_bar__minus_01_dot_90_bar__plus_00_dot_97_bar__minus_01_dot_50_bar_SinkBasin")
+    assert alfworld_games.receptacle_kind("Sink|-01.90|+00.97|-01.50|SinkBasin") == "SinkBasin"
+    assert alfworld_games.receptacle_kind("Cabinet|+00.68|+00.50|-02.20") == "Cabinet"
+    # metres / 0.25 and degrees / 90, as ALFRED's grid locations
+    assert alfworld_games.location([0.5, -1.75, 180, -30]) == "loc|2|-7|2|-30"
+    assert 10 in alfworld_games.scene_numbers("train")
+    assert alfworld_games.scene_numbers("valid_unseen") == [
+        *range(1, 7), *range(201, 207), *range(301, 307), *range(401, 407)]
+    assert not set(alfworld_games.scene_numbers("train")) & set(
+        alfworld_games.scene_numbers("valid_unseen"))
+
+
+def test_sampled_goals_are_plausible_and_not_already_true():
+    """Over many draws (no engine): the object may go in the target, has the affordance the task
+    needs, the target is not the appliance, and no target object starts in a target receptacle."""
+    from alfworld.gen import constants
+
+    layouts = alfworld_games.wheel_paths()["layouts"]
+    rng = random.Random(0)
+    seen = set()
+    for scene_number in (1, 11, 205, 301, 311, 401, 411):
+        scene = alfworld_games.load_scene(scene_number, layouts)
+        for task_type in alfworld_games.TASK_TYPES:
+            for _ in range(5):
+                params = alfworld_games.sample_goal(task_type, scene, rng)
+                if params is None:
+                    continue
+                seen.add(task_type)
+                obj, recep = params["object_target"], params["parent_target"]
+                placed = alfworld_games.place_objects(scene, params, task_type, rng)
+                targets = [r for _, kind, r in placed if kind == obj]
+                assert len(targets) >= (2 if task_type == "pick_two_obj_and_place" else 1)
+                if task_type == "look_at_obj_in_light":
+                    assert params["toggle_target"] == "DeskLamp" and recep == ""
+                    lamps = [r for _, kind, r in placed if kind == "DeskLamp"]
+                    assert len(lamps) == 1
+                    assert alfworld_games.receptacle_kind(lamps[0]) in ("Desk", "SideTable",
+                                                                        "Dresser")
+                    continue
+                assert obj in constants.VAL_RECEPTACLE_OBJECTS[recep]
+                assert recep not in alfworld_games.INVALID_TARGETS.get(task_type, ())
+                if task_type in alfworld_games.PICKUP_AFFORDANCE:
+                    affordance = alfworld_games.PICKUP_AFFORDANCE[task_type]
+                    assert obj in constants.VAL_ACTION_OBJECTS[affordance]
+                assert all(alfworld_games.receptacle_kind(r) != recep for r in targets)
+                for _, kind, r in placed:
+                    assert kind in constants.VAL_RECEPTACLE_OBJECTS[
+                        alfworld_games.receptacle_kind(r)]
+    assert seen == set(alfworld_games.TASK_TYPES)
+
+
+def test_layout_is_what_alfworlds_own_loader_expects(data_root):
+    """alfworld's AlfredTWEnv, configured as its base config does ($ALFWORLD_DATA/json_2.1.1/...),
+    finds every generated game of both splits, and our loader finds the same files."""
+    from alfworld.agents.environment.alfred_tw_env import AlfredTWEnv
+
+    config = {"env": {"goal_desc_human_anns_prob": 0, "task_types": [1, 2, 3, 4, 5, 6]},
+              "dataset": {"data_path": os.path.join(data_root, "json_2.1.1", "train"),
+                          "eval_ood_data_path": os.path.join(data_root, "json_2.1.1",
+                                                             "valid_unseen"),
+                          "num_train_games": -1, "num_eval_games": -1}}
+    for split, mode in (("train", "train"), ("valid_unseen", "eval_out_of_distribution")):
+        found = AlfredTWEnv(config, train_eval=mode).game_files
+        assert sorted(found) == games(data_root, split) and len(found) == 6
+
+
+def test_game_files_and_task_types(data_root, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", data_root)
+    assert alfworld_env.game_files("train") == games(data_root, "train")
+    types = set()
+    for game_file in games(data_root, "train") + games(data_root, "valid_unseen"):
+        with open(os.path.join(os.path.dirname(game_file), "traj_data.json")) as f:
+            traj = json.load(f)
+        with open(game_file) as f:
+            game = json.load(f)
+        assert alfworld_env.task_type_of(game_file) == traj["task_type"]
+        assert game["solvable"] is True and len(game["walkthrough"]) >= 2
+        assert set(game) == {"pddl_domain", "grammar", "pddl_problem", "solvable", "walkthrough"}
+        scene = traj["scene"]["scene_num"]
+        assert (scene in alfworld_games.scene_numbers("valid_unseen")) == (
+            "valid_unseen" in game_file)
+        types.add(traj["task_type"])
+    assert types == set(alfworld_games.TASK_TYPES)
+
+
+def test_expert_wins_every_train_game(data_root):
+    """alfworld's hand-coded expert, live on the engine (not the stored walkthrough)."""
+    for game_file in games(data_root, "train"):
+        game = alfworld_env.AlfworldEnv(game_file, max_steps=50, expert=True, seed=0)
+        game.reset()
+        assert not game.won  # the goal does not hold at the start
+        done = False
+        while not done:
+            _, reward, done, info = game.step(game.expert_action())
+        assert info["won"] and reward == 1.0, game_file
+
+
+def test_walkthroughs_win_and_the_tiny_vocabulary_covers_every_text(data_root):
+    """Replaying each stored walkthrough wins; `help` is never admissible; every observation and
+    admissible command is spelled in words of envs.vocabulary("alfworld")."""
+    import re
+
+    import envs
+
+    vocabulary = set(envs.vocabulary("alfworld")) | {str(i) for i in range(100)}
+    for game_file in games(data_root, "valid_unseen"):
+        with open(game_file) as f:
+            walkthrough = json.load(f)["walkthrough"]
+        game = alfworld_env.AlfworldEnv(game_file, max_steps=50)
+        texts = [game.reset()]
+        for command in walkthrough:
+            assert "help" not in game.admissible_actions()
+            texts += game.admissible_actions()
+            obs, reward, done, info = game.step(command)
+            texts.append(obs)
+        assert info["won"] and done and reward == 1.0
+        words = set(re.findall(r"[a-z]+|\d+", " ".join(texts).lower()))
+        assert words <= vocabulary, words - vocabulary
+
+
+def test_inadmissible_command_changes_nothing(data_root):
+    game_file = games(data_root, "train")[0]
+    with open(game_file) as f:
+        walkthrough = json.load(f)["walkthrough"]
+    game = alfworld_env.AlfworldEnv(game_file, max_steps=50)
+    game.reset()
+    game.step(walkthrough[0])
+    before = (game.admissible_actions(), game._state["facts"] if "facts" in game._state else None,
+              sorted(map(str, game._state["_facts"])))
+    obs, reward, done, info = game.step("take the moon from the sky")
+    assert obs == "Nothing happens." and not info["valid"] and reward == 0.0 and not done
+    after = (game.admissible_actions(), game._state["facts"] if "facts" in game._state else None,
+             sorted(map(str, game._state["_facts"])))
+    assert after == before
+    for command in walkthrough[1:]:
+        obs, reward, done, info = game.step(command)
+    assert info["won"]
+
+
+def test_generator_is_deterministic(data_root, tmp_path):
+    """The same (seed, split, type, draw) writes the same bytes."""
+    (first,) = glob.glob(os.path.join(data_root, "json_2.1.1", "train",
+                                      "pick_heat_then_place_in_recep-*", "*", "game.tw-pddl"))
+    trial = os.path.basename(os.path.dirname(first))
+    draw = int(trial.rsplit("_", 1)[1])
+    again = alfworld_games.make_game(str(tmp_path), "train", "pick_heat_then_place_in_recep",
+                                     draw, SEED, alfworld_games.wheel_paths())
+    assert again is not None
+    assert os.path.relpath(again, tmp_path) == os.path.relpath(first, data_root)
+    for name in ("game.tw-pddl", "traj_data.json", "initial_state.pddl"):
+        with open(os.path.join(os.path.dirname(first), name), "rb") as f:
+            expected = f.read()
+        with open(os.path.join(os.path.dirname(again), name), "rb") as f:
+            assert f.read() == expected, name
+
+
+def play_texts(game_file: str, walkthrough: list[str]) -> list:
+    """Observations and admissible commands along a walkthrough, on TextWorld as alfworld's
+    AlfredTWEnv starts it (no wrapper of ours)."""
+    import textworld
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+
+    argv = list(sys.argv)  # Fast Downward's translator overwrites it
+    infos = textworld.EnvInfos(won=True, admissible_commands=True)
+    env = textworld.start(game_file, infos, wrappers=[AlfredDemangler(), AlfredInfos])
+    state = env.reset()
+    texts = [state.feedback, state["admissible_commands"]]
+    for command in walkthrough:
+        state, _, _ = env.step(command)
+        texts += [state.feedback, state["admissible_commands"]]
+    sys.argv[:] = argv
+    return texts
+
+
+def test_memoized_parses_give_the_engines_own_text(data_root):
+    """With the parse cache, observations and admissible commands equal those of TextWorld
+    unpatched (played in a fresh process that never calls memoize_text_parses)."""
+    game_file = games(data_root, "train")[-1]
+    with open(game_file) as f:
+        walkthrough = json.load(f)["walkthrough"]
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_alfworld_games as t; "
+            "print(json.dumps(t.play_texts(sys.argv[1], json.loads(sys.argv[2]))))")
+    plain = subprocess.run([sys.executable, "-c", code, game_file, json.dumps(walkthrough)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    alfworld_env.memoize_text_parses()
+    memoized = play_texts(game_file, walkthrough)
+    assert memoized == json.loads(plain.stdout)
+    assert len(memoized) == 2 * (len(walkthrough) + 1) and memoized[-2].startswith("You ")
+
+
+def test_loading_a_game_keeps_sys_argv(data_root):
+    argv = list(sys.argv)
+    game = alfworld_env.AlfworldEnv(games(data_root, "train")[0], max_steps=5)
+    game.reset()
+    assert sys.argv == argv
