@@ -137,7 +137,11 @@ class Args:
     """seeds python, numpy and torch (task sampling, LoRA init, rollout sampling); evaluations
     draw from their own generator seeded with it"""
     env: Literal["household", "alfworld"] = "household"
-    """household (built in, no download) or alfworld (needs $ALFWORLD_DATA)"""
+    """household (built in, no download) or alfworld (needs $ALFWORLD_DATA; `python -m
+    envs.alfworld_games` makes games offline)"""
+    env_workers: int = 0
+    """processes that step a batch's games at once (0: this process); ALFWorld's engine takes
+    about a second to load a game [preset: household 0 | alfworld the CPU cores, at most 16]"""
     model: str = "tiny"
     """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct), tiny (the shipped
     household start, assets/tiny-household) or tiny-scratch (random weights; BC first)"""
@@ -346,7 +350,8 @@ def preset_args(model: str = "tiny", env: str = "household") -> Args:
     """The defaults for `model` and `env`: the dataclass's (tiny presets), with
     TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top."""
     args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
-                device="cuda" if torch.cuda.is_available() else "cpu")
+                device="cuda" if torch.cuda.is_available() else "cpu",
+                env_workers=min(16, os.cpu_count() or 1) if env == "alfworld" else 0)
     if model == "tiny-scratch":
         return replace(args, **TINY_SCRATCH_PRESETS)
     return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)
@@ -369,6 +374,7 @@ def validate_args(args: Args) -> list[str]:
         (a.tasks_per_iteration >= 1, "--tasks-per-iteration must be >= 1"),
         (a.group_size >= 1, "--group-size must be >= 1"),
         (a.max_episode_steps >= 1, "--max-episode-steps must be >= 1"),
+        (a.env_workers >= 0, "--env-workers must be >= 0 (0 = step the games in this process)"),
         (a.learning_rate > 0, "--learning-rate must be > 0"),
         (a.weight_decay >= 0, "--weight-decay must be >= 0"),
         (0 < a.clip_eps < 1, "--clip-eps must be in (0, 1)"),
@@ -1454,7 +1460,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
     seconds = defaultdict(float) if seconds is None else seconds
     expert = expert_rng is not None
-    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert) for t in tasks]
+    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
+                            workers=args.env_workers) for t in tasks]
     batch = EnvBatch(games)
     batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,

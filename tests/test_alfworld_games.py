@@ -1,6 +1,7 @@
 """Games generated from the alfworld wheel's files (envs/alfworld_games.py), played on the real
 engine: TextWorld's PDDL environment with ALFWorld's domain, grammar and hand-coded expert. The
-session fixture generates one game per task type for train and valid_unseen (about 25 s)."""
+session fixture generates one game per task type for train and two for valid_unseen (about
+15 s)."""
 
 import glob
 import json
@@ -15,12 +16,15 @@ from envs import alfworld_env, alfworld_games
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 3
+UNSEEN_TYPES = ("look_at_obj_in_light", "pick_two_obj_and_place")
 
 
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("alfworld_data"))
-    made = alfworld_games.generate(root, per_type=1, seed=SEED, splits=("train", "valid_unseen"))
+    made = alfworld_games.generate(root, per_type=1, seed=SEED, splits=("train",))
+    made.update(alfworld_games.generate(root, per_type=1, seed=SEED, splits=("valid_unseen",),
+                                        task_types=UNSEEN_TYPES))
     assert all(len(files) == 1 for files in made.values()), made
     return root
 
@@ -94,7 +98,8 @@ def test_layout_is_what_alfworlds_own_loader_expects(data_root):
                           "num_train_games": -1, "num_eval_games": -1}}
     for split, mode in (("train", "train"), ("valid_unseen", "eval_out_of_distribution")):
         found = AlfredTWEnv(config, train_eval=mode).game_files
-        assert sorted(found) == games(data_root, split) and len(found) == 6
+        assert sorted(found) == games(data_root, split)
+        assert len(found) == (6 if split == "train" else len(UNSEEN_TYPES))
 
 
 def test_game_files_and_task_types(data_root, monkeypatch):
@@ -116,16 +121,55 @@ def test_game_files_and_task_types(data_root, monkeypatch):
     assert types == set(alfworld_games.TASK_TYPES)
 
 
-def test_expert_wins_every_train_game(data_root):
-    """alfworld's hand-coded expert, live on the engine (not the stored walkthrough)."""
-    for game_file in games(data_root, "train"):
-        game = alfworld_env.AlfworldEnv(game_file, max_steps=50, expert=True, seed=0)
-        game.reset()
-        assert not game.won  # the goal does not hold at the start
-        done = False
-        while not done:
-            _, reward, done, info = game.step(game.expert_action())
-        assert info["won"] and reward == 1.0, game_file
+def play_experts(files: list[str], workers: int) -> list:
+    """alfworld's hand-coded expert, live on the engine, in every game at once (EnvBatch)."""
+    import envs
+    from common.envbatch import EnvBatch
+
+    seeds = []
+    for game_file in files:  # the seed the generator verified the game with
+        with open(os.path.join(os.path.dirname(game_file), "traj_data.json")) as f:
+            seeds.append(json.load(f)["expert_seed"])
+    games = [envs.make_game("alfworld", f, 50, expert=True, workers=workers, seed=seed)
+             for f, seed in zip(files, seeds)]
+    batch = EnvBatch(games)
+    log = [batch.reset(), [g.won for g in games]]
+    while batch.active():
+        results = batch.step({i: games[i].expert_action() for i in batch.active()})
+        log.append(sorted((i, r, games[i].admissible_actions()) for i, r in results.items()))
+    return log + [batch.won]
+
+
+def test_expert_wins_every_train_game_in_workers_as_in_this_process(data_root):
+    """The expert (live, not the stored walkthrough), with the seed the generator kept the game
+    for, wins every type's game; no goal holds at the start; two worker processes play exactly
+    as this process does."""
+    files = games(data_root, "train")
+    local = play_experts(files, workers=0)
+    assert local[1] == [False] * 6 and local[-1] == [True] * 6
+    assert play_experts(files, workers=2) == local
+
+
+def test_proxmo_runs_on_generated_games(data_root, tmp_path):
+    """BC on expert demonstrations, an RL iteration and evaluations, tiny-scratch on the real
+    engine, its games stepped in two worker processes."""
+    env = dict(os.environ, ALFWORLD_DATA=data_root, HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "proxmo.py", "--env", "alfworld", "--model", "tiny-scratch",
+         "--env-workers", "2", "--bc-num-tasks", "2", "--bc-epochs", "1",
+         "--tasks-per-iteration", "1", "--group-size", "2", "--max-episode-steps", "4",
+         "--eval-splits", "valid_unseen", "--eval-num-tasks", "1", "--iterations", "1",
+         "--run-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "behavior cloning: 2 expert trajectories" in result.stdout
+    assert "[eval valid_unseen @ iter 1]" in result.stdout and "rl 1/1" in result.stdout
+    (run_path,) = glob.glob(str(tmp_path / "proxmo__alfworld__proxmo__1__*"))
+    with open(os.path.join(run_path, "summary.json")) as f:
+        summary = json.load(f)
+    assert sorted(summary["evaluations"]) == ["0", "1"]
+    with open(os.path.join(run_path, "config.json")) as f:
+        assert json.load(f)["args"]["env_workers"] == 2
 
 
 def test_walkthroughs_win_and_the_tiny_vocabulary_covers_every_text(data_root):

@@ -246,6 +246,45 @@ def test_env_batch_steps_only_running_games():
         batch.step({0: "look"})
 
 
+def _play_household(workers: int) -> list:
+    """Three household games (one more than the workers) in lock-step, the expert acting."""
+    tasks = envs.list_tasks("household", "train", 3)
+    games = [envs.make_game("household", t, max_steps=6, workers=workers) for t in tasks]
+    batch = EnvBatch(games)
+    log = [batch.reset(), [(g.task_type, g.task_description) for g in games]]
+    while batch.active():
+        actions = {i: games[i].expert_action() or "look" for i in batch.active()}
+        results = batch.step(actions)
+        log.append(sorted((i, r, games[i].admissible_actions(), games[i].steps)
+                          for i, r in results.items()))
+    return log + [batch.won]
+
+
+def test_games_in_worker_processes_play_as_in_this_one():
+    """Games made with workers=2 (three games, so one worker hosts two and answers interleave)
+    give the same observations, rewards, admissible commands and expert actions."""
+    assert _play_household(2) == _play_household(0)
+
+
+def test_a_dead_or_failing_env_worker_is_a_clear_error():
+    from common.envbatch import WorkerPool
+
+    pool = WorkerPool(1, envs.make_game)
+    try:
+        game = pool.make("household", envs.list_tasks("household", "train", 1)[0], 1)
+        game.reset()
+        game.step("look")
+        with pytest.raises(RuntimeError, match="(?s)env worker 0 raised:.*finished game"):
+            game.step("look")  # a finished game: the worker answers with the traceback
+        pool.processes[0].kill()
+        pool.processes[0].join()
+        with pytest.raises(RuntimeError, match=r"env worker 0 died \(exit code -9\)"):
+            game.reset()
+    finally:
+        pool.close()
+    assert pool.processes == []
+
+
 @pytest.mark.parametrize("reply, action", [
     ("<action>go to desk 1</action>", "go to desk 1"),
     ("<think>the mug is here</think> <action> Take Mug 1 from Desk 1 </action>",
