@@ -2,7 +2,8 @@
 per object, behind the same small interface as envs/household.py.
 
 Games are read from $ALFWORLD_DATA/json_2.1.1/<split>/<task>/<trial>/game.tw-pddl, which the
-`alfworld-download` command of the alfworld package fetches (the wheel ships no games). Like
+`alfworld-download` command of the alfworld package fetches (the wheel ships no games), or which
+`python -m envs.alfworld_games` generates from the wheel's files (envs/alfworld_games.py). Like
 AlfredTWEnv we skip "movable" / "Sliced" trials and games marked unsolvable.
 
 Expert actions come from alfworld's hand-coded TextWorld expert (HandCodedTWAgent, what its
@@ -31,11 +32,15 @@ SPLITS = ("train", "valid_seen", "valid_unseen")
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
               "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep",
               "pick_two_obj_and_place")
-DOWNLOAD_HINT = ("fetch the games with the alfworld package's own command:\n"
-                 "    pip install alfworld && export ALFWORLD_DATA=~/alfworld_data && "
-                 "alfworld-download\n"
-                 "(alfworld-download writes json_2.1.1/ under $ALFWORLD_DATA; keep ALFWORLD_DATA "
-                 "set when you run the scripts)")
+DOWNLOAD_HINT = ("get games in one of two ways (keep ALFWORLD_DATA set when you run the "
+                 "scripts):\n"
+                 "  the benchmark's games, downloaded by the alfworld package:\n"
+                 "    export ALFWORLD_DATA=~/alfworld_data && alfworld-download\n"
+                 "  or games generated offline from the alfworld package's files (the real "
+                 "engine, but not the benchmark's games, so not comparable with published "
+                 "numbers):\n"
+                 "    python -m envs.alfworld_games --out ~/alfworld_data --per-type 20 && "
+                 "export ALFWORLD_DATA=~/alfworld_data")
 
 
 def data_root() -> str:

@@ -13,15 +13,16 @@ object placements, and writes each game as alfworld's `alfworld-download` data h
     json_2.1.1/<split>/<task_type>-<Object>-<Mrecep>-<Recep>-<scene>/trial_T<seed>_<n>/
         traj_data.json      task_type and pddl_params (what alfworld's expert reads)
         initial_state.pddl  the PDDL problem: objects, facts, goal
-        game.tw-pddl        domain + grammar (with the goal sentence) + problem, solvable, walkthrough
+        game.tw-pddl        domain, grammar (with the goal sentence), problem, solvable and the
+                            walkthrough
 
 Only games that alfworld's hand-coded expert wins (driven by envs/alfworld_env.py, with its
 pick-two fix) are kept; the expert's commands are the walkthrough.
 
-These are real ALFWorld games on the real engine (TextWorld's PDDL environment, ALFWorld's domain,
-grammar and expert) in ALFRED's rooms, but NOT the benchmark's games: ALFRED placed its objects with
-the THOR simulator, here they are sampled. Scores on them are not comparable with published
-ALFWorld numbers; for those, fetch the real games with `alfworld-download`.
+These are real ALFWorld games on the real engine (TextWorld's PDDL environment, ALFWorld's
+domain, grammar and expert) in ALFRED's rooms, but NOT the benchmark's games: ALFRED placed its
+objects with the THOR simulator, here they are sampled. Scores on them are not comparable with
+published ALFWorld numbers; for those, fetch the real games with `alfworld-download`.
 
 Splits by scene, as ALFRED splits them: train and valid_seen from ALFRED's training FloorPlans
 (valid_seen with other placements, drawn from its own random stream), valid_unseen from the six
@@ -111,7 +112,8 @@ def load_scene(scene: int, layouts: str) -> dict:
 
 
 def location(point) -> str:
-    """An interaction point (metres, degrees) as ALFRED's grid location loc|x|z|rotation|horizon."""
+    """An interaction point (metres, degrees) as ALFRED's grid location
+    loc|x|z|rotation|horizon (quarter metres, quarter turns)."""
     x, z, rotation, horizon = point
     return "loc|%d|%d|%d|%d" % (round(x / 0.25), round(z / 0.25), round(rotation / 90), horizon)
 
@@ -141,7 +143,8 @@ def sample_goal(task_type: str, scene: dict, rng: random.Random) -> dict | None:
     if task_type in APPLIANCE and APPLIANCE[task_type] not in recep_kinds:
         return None
     if task_type in PICKUP_AFFORDANCE:
-        kinds = [k for k in kinds if k in constants.VAL_ACTION_OBJECTS[PICKUP_AFFORDANCE[task_type]]]
+        affordance = PICKUP_AFFORDANCE[task_type]
+        kinds = [k for k in kinds if k in constants.VAL_ACTION_OBJECTS[affordance]]
     if task_type == "look_at_obj_in_light":
         if LAMP not in scene["kinds"] or not recep_kinds & set(LAMP_STANDS):
             return None
@@ -294,7 +297,8 @@ def expert_walkthrough(game_file: str, seed: int) -> list[str] | None:
 def make_game(out: str, split: str, task_type: str, index: int, seed: int,
               paths: dict) -> str | None:
     """Sample, write and solve one game; its game file, or None when the draw gave no game the
-    expert wins (the written files are then removed). Deterministic in (seed, split, type, index)."""
+    expert wins (the written files are then removed). Deterministic in (seed, split, type,
+    index)."""
     rng = random.Random(f"{seed}/{split}/{task_type}/{index}")
     scenes = [s for s in scene_numbers(split)
               if room_type(s) in _goals_valid()[task_type]]

@@ -129,6 +129,10 @@ def main(out: str, share_of_process_0: int, method: str) -> None:
             weights.update({f"value_head.{n}": p.detach().clone()
                             for n, p in value_head.named_parameters()})
         torch.save({"weights": weights, "stats": stats, "processes": dist.num_processes}, out)
+    if dist.num_processes > 1:
+        # Without it a busy machine sometimes aborted a process at exit ("terminate called
+        # without an active exception", gloo's threads still running).
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

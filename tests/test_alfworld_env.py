@@ -19,6 +19,7 @@ def test_missing_data_says_what_to_run(tmp_path, monkeypatch):
     with pytest.raises(UsageError) as err:
         envs.list_tasks("alfworld", "train")
     assert "alfworld-download" in str(err.value) and str(tmp_path) in str(err.value)
+    assert "python -m envs.alfworld_games --out" in str(err.value)  # the offline way too
 
 
 def test_script_exits_cleanly_without_data(tmp_path):
@@ -147,3 +148,17 @@ def test_restore_replays_the_commands_from_a_reset(monkeypatch):
     assert game.steps == 1 and FakeEngine.resets == 2 and game.admissible_actions() == ["a", "b"]
     obs, reward, done, info = game.step("b")
     assert (obs, reward, done, info["won"]) == ("after a,b", 1.0, True, True)
+
+
+def test_the_household_path_imports_no_alfworld_dependency():
+    """alfworld's heavy dependencies (TextWorld, Fast Downward, jericho, TatSu) load only for
+    --env alfworld: importing every script and playing a household game never imports them."""
+    code = ("import sys, envs, proxmo, spa, istar, hisr, sspo; "
+            "game = envs.make_game('household', envs.list_tasks('household', 'train', 1)[0], 3); "
+            "game.reset(); game.step('look'); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'textworld', 'alfworld', "
+            "'jericho', 'fast_downward', 'tatsu'}))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
