@@ -271,3 +271,26 @@ def test_loading_a_game_keeps_sys_argv(data_root):
     game = alfworld_env.AlfworldEnv(games(data_root, "train")[0], max_steps=5)
     game.reset()
     assert sys.argv == argv
+
+
+def test_generator_cli_refuses_bad_input(data_root, capsys):
+    for argv in (["--out", data_root, "--per-type", "0"], ["--out", data_root, "--seed", "-1"],
+                 ["--out", data_root, "--seed", str(SEED)]):  # the last: games of SEED exist
+        with pytest.raises(SystemExit) as exit_:
+            alfworld_games.main(argv)
+        assert exit_.value.code == 2
+    assert "already holds games of seed 3" in capsys.readouterr().err
+
+
+def test_speed_benchmark_at_a_tiny_size(data_root, monkeypatch, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import alfworld_speed
+
+    monkeypatch.setenv("ALFWORLD_DATA", data_root)
+    assert alfworld_speed.main(["--split", "valid_unseen", "--games", "3", "--single", "1"]) == 0
+    out = capsys.readouterr().out
+    steps = sum(len(alfworld_speed.walkthrough(f)) for f in games(data_root, "valid_unseen"))
+    first = len(alfworld_speed.walkthrough(games(data_root, "valid_unseen")[0]))
+    # three games cycle over the split's two: the first plays twice
+    assert "batch of 3 games, workers 0: made and reset in" in out
+    assert f", {steps + first} steps in " in out and "one game (1 games, parse cache on)" in out
