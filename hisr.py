@@ -141,7 +141,8 @@ class Args:
     envs.alfworld_games` makes games offline)"""
     env_workers: int = 0
     """processes that step a batch's games at once (0: this process); ALFWorld's engine takes
-    about a second to load a game [preset: household 0 | alfworld the CPU cores, at most 16]"""
+    about 0.6 s to load and reset a game [preset: household 0 | alfworld the CPU cores, shared
+    among data-parallel processes, at most 16]"""
     model: str = "tiny"
     """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct), tiny (the shipped
     household start, assets/tiny-household) or tiny-scratch (random weights; BC first)"""
@@ -351,7 +352,7 @@ def preset_args(model: str = "tiny", env: str = "household") -> Args:
     TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top."""
     args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
                 device="cuda" if torch.cuda.is_available() else "cpu",
-                env_workers=min(16, os.cpu_count() or 1) if env == "alfworld" else 0)
+                env_workers=envs.default_env_workers(env))
     if model == "tiny-scratch":
         return replace(args, **TINY_SCRATCH_PRESETS)
     return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)

@@ -11,6 +11,7 @@ and the attributes task_type and task_description. Rewards are sparse: 1.0 on su
 
 from __future__ import annotations
 
+import os
 import random
 
 from common import UsageError
@@ -57,7 +58,7 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers
     rare random choices come from its own generator, seeded from `random` here (or by `seed`), so
     a game plays the same in this process or in a worker."""
     _check(env_name)
-    if env_name == "alfworld" and seed is None:
+    if env_name == "alfworld" and expert and seed is None:
         seed = random.getrandbits(32)
     if workers > 0:
         if workers not in _POOLS:
@@ -69,6 +70,17 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers
 
 
 _POOLS: dict = {}  # worker count -> WorkerPool, kept for the run
+
+
+def default_env_workers(env_name: str) -> int:
+    """The --env-workers preset: 0 for the household (a step takes microseconds); for ALFWorld
+    the CPU cores this process may use, shared among the data-parallel processes of a node
+    (accelerate sets LOCAL_WORLD_SIZE), at most 16."""
+    if env_name != "alfworld":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(16, (cores or 1) // processes))
 
 
 def vocabulary(env_name: str) -> list[str]:

@@ -16,6 +16,7 @@ and looped until the step limit; the expert is told "put X in/on Y" for such a c
 
 from __future__ import annotations
 
+import collections
 import copy
 import glob
 import json
@@ -97,18 +98,41 @@ def expert_view(command: str) -> str:
     return f"put {moved[1]} in/on {moved[2]}" if moved else command
 
 
-def memoize_text_parses() -> None:
-    """Make TextWorld's PDDL engine parse each grammar template and logic query once per process.
+def memoize_engine() -> None:
+    """Make TextWorld's PDDL engine do its pure, repeated work once per process.
 
-    At every step the engine re-parses, with TatSu, the same few hundred strings: the command
-    template and feedback rule of every applicable action and the conditions of the grammar's
-    rules (about 85 % of a step). Both parsers (textworld.envs.pddl.textgen's and
-    textworld.logic's `_parse_and_convert`) are pure functions of their arguments, so their
-    results are cached; each call gets a deep copy, because the derivation writes into the
-    symbols it is given. The observations and admissible commands are unchanged (tested)."""
+    - Parses: at every step the engine re-parses, with TatSu, the same few hundred strings (the
+      command template and feedback rule of every applicable action, the conditions of the
+      grammar's rules): about 85 % of a step. Both parsers (textworld.envs.pddl.textgen's and
+      textworld.logic's `_parse_and_convert`) are cached.
+    - Translations: a game's load and every reset run Fast Downward's translator on the same
+      domain and problem (twice: plain and optimized). fast_downward.pddl2sas is cached too, for
+      the last TRANSLATIONS_KEPT problems (a reset, or another copy of the same game, then costs
+      no translation).
+
+    Each call gets a deep copy of the cached result, because the engine writes into what it is
+    given. The observations and admissible commands are unchanged (tested against TextWorld
+    unpatched)."""
+    import fast_downward
     from textworld import logic
     from textworld.envs.pddl import textgen
 
+    translate = fast_downward.pddl2sas
+    if not getattr(translate, "memoized", False):
+        translations = collections.OrderedDict()  # least recently used first
+
+        def memoized_translate(domain, problem, verbose=False, optimize=False):
+            key = (domain, problem, verbose, optimize)
+            if key not in translations:
+                translations[key] = translate(domain, problem, verbose=verbose, optimize=optimize)
+                if len(translations) > TRANSLATIONS_KEPT:
+                    translations.popitem(last=False)
+            translations.move_to_end(key)
+            task, sas = translations[key]
+            return copy.deepcopy(task), sas
+
+        memoized_translate.memoized = True
+        fast_downward.pddl2sas = memoized_translate
     for module in (textgen, logic):
         parse = module._parse_and_convert
         if getattr(parse, "memoized", False):
@@ -123,6 +147,9 @@ def memoize_text_parses() -> None:
 
         memoized.memoized = True
         module._parse_and_convert = memoized
+
+
+TRANSLATIONS_KEPT = 64  # translations memoize_engine keeps (a problem has two: plain, optimized)
 
 
 def _keeping_argv(call, *args):
@@ -147,7 +174,7 @@ class AlfworldEnv:
         except ImportError as e:  # pragma: no cover - alfworld is in requirements.txt
             raise UsageError(f"--env alfworld needs the alfworld package ({e}); "
                              "pip install alfworld") from e
-        memoize_text_parses()
+        memoize_engine()
         self.game_file, self.max_steps, self.expert = game_file, max_steps, expert
         self.task_type = task_type_of(game_file)
         infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=expert,
@@ -158,7 +185,10 @@ class AlfworldEnv:
         self._played: list[str] = []
         self._expert_agent = None
         self._expert_plan = "look"
-        self._expert_random_state = random.Random(seed).getstate()  # see _update_expert
+        if expert and seed is None:
+            seed = random.getrandbits(32)
+        self._expert_seed = seed  # the expert's own random stream, restarted at every reset
+        self._expert_random_state = None
         self.task_description = ""
         self.steps = 0
         self.won = False
@@ -173,6 +203,7 @@ class AlfworldEnv:
             self._expert_agent.reset(self.game_file)
             self._expert_agent.observe(self._state.feedback)
             self._expert_plan = "look"
+            self._expert_random_state = random.Random(self._expert_seed).getstate()
         obs = self._state.feedback
         # Drop TextWorld's banner; keep "You are in the middle of a room ... Your task is to: ...".
         start = obs.find("You are in the middle")

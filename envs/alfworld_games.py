@@ -261,7 +261,7 @@ def problem_pddl(scene: dict, placed: list, params: dict, task_type: str, start:
             + "\n        ".join(declared) + "\n    )\n    (:init\n        "
             + "\n        ".join(facts) + "\n    )\n" + goal.strip() + "\n")
     # Ids carry ALFRED's characters; the " - " of declarations and goal variables stay.
-    return re.sub(r"[A-Za-z]+\|[^\s()]+|loc\|[^\s()]+", lambda m: mangle(m[0]), text)
+    return re.sub(r"[A-Za-z]+\|[^\s()]+", lambda m: mangle(m[0]), text)
 
 
 def goal_sentence(task_type: str, params: dict, rng: random.Random) -> str:
@@ -337,13 +337,17 @@ def make_game(out: str, split: str, task_type: str, index: int, seed: int,
     game = {"pddl_domain": domain, "grammar": grammar, "pddl_problem": problem,
             "solvable": None, "walkthrough": None}
     _write_json(game_file, game)
-    walkthrough = expert_walkthrough(game_file, expert_seed)
+    walkthrough = None
+    try:
+        walkthrough = expert_walkthrough(game_file, expert_seed)
+    finally:  # a lost game, or an interrupted run, leaves no half-written game behind
+        if walkthrough is None:
+            for name in ("traj_data.json", "initial_state.pddl", "game.tw-pddl"):
+                os.remove(os.path.join(root, name))
+            os.rmdir(root)
+            if not os.listdir(os.path.dirname(root)):
+                os.rmdir(os.path.dirname(root))
     if walkthrough is None:
-        for name in ("traj_data.json", "initial_state.pddl", "game.tw-pddl"):
-            os.remove(os.path.join(root, name))
-        os.rmdir(root)
-        if not os.listdir(os.path.dirname(root)):
-            os.rmdir(os.path.dirname(root))
         return None
     _write_json(game_file, {**game, "solvable": True, "walkthrough": walkthrough})
     return game_file
@@ -395,17 +399,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-type", type=int, default=20,
                         help="games per task type and split (default 20)")
     parser.add_argument("--seed", type=int, default=1, help="seeds every draw (default 1)")
-    parser.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS)
-    parser.add_argument("--task-types", nargs="+", default=list(TASK_TYPES), choices=TASK_TYPES)
+    parser.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS,
+                        metavar="SPLIT", help=f"splits to write (default all: {' '.join(SPLITS)})")
+    parser.add_argument("--task-types", nargs="+", default=list(TASK_TYPES), choices=TASK_TYPES,
+                        metavar="TYPE", help="task types to write (default all six: "
+                                             f"{', '.join(TASK_TYPES)})")
     args = parser.parse_args(argv)
     if args.per_type < 1:
         parser.error("--per-type must be >= 1")
     if not 0 <= args.seed < 2**32:
         parser.error("--seed must be in [0, 2**32)")
-    existing = glob.glob(os.path.join(args.out, "json_2.1.1", "*", "*", f"trial_T{args.seed}_*"))
+    existing = [path for split in args.splits for path in glob.glob(
+        os.path.join(args.out, "json_2.1.1", split, "*", f"trial_T{args.seed}_*"))]
     if existing:
-        parser.error(f"{args.out} already holds games of seed {args.seed} ({existing[0]}); "
-                     "choose another --out or --seed")
+        parser.error(f"{args.out} already holds {args.splits} games of seed {args.seed} "
+                     f"({existing[0]}); choose another --out or --seed")
     made = generate(args.out, args.per_type, args.seed, args.splits, args.task_types)
     short = {cell: len(files) for cell, files in made.items() if len(files) < args.per_type}
     print(f"wrote {sum(len(f) for f in made.values())} games under "

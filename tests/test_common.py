@@ -14,7 +14,7 @@ import envs
 from common import UsageError
 from common.envbatch import EnvBatch
 from common.generation import hf_generate
-from common.model import (add_lora, build_tiny_tokenizer, eos_token_ids, load_lora,
+from common.model import (add_lora, eos_token_ids, load_lora,
                           load_model_and_tokenizer, merge_lora, pad_prompt_response,
                           resolve_model_name, response_logprobs)
 from proxmo import PROMPT_WORDS, is_well_formed, parse_action
@@ -264,6 +264,23 @@ def test_games_in_worker_processes_play_as_in_this_one():
     """Games made with workers=2 (three games, so one worker hosts two and answers interleave)
     give the same observations, rewards, admissible commands and expert actions."""
     assert _play_household(2) == _play_household(0)
+
+
+def test_a_remote_game_snapshots_and_restores_as_a_local_one():
+    """After snapshot() (which changes nothing) the cached admissible commands stay; restore()
+    brings back the saved state."""
+    task = envs.list_tasks("household", "train", 1)[0]
+    seen = []
+    for workers in (0, 1):
+        game = envs.make_game("household", task, max_steps=6, workers=workers)
+        game.reset()
+        game.step(game.expert_action())
+        saved = game.snapshot()
+        after_snapshot = game.admissible_actions()
+        game.step("look")
+        game.restore(saved)
+        seen.append((after_snapshot, game.admissible_actions(), game.steps, game.expert_action()))
+    assert seen[0] == seen[1] and seen[0][0] and seen[0][2] == 1
 
 
 def test_a_dead_or_failing_env_worker_is_a_clear_error():
