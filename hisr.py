@@ -137,8 +137,9 @@ class Args:
     """seeds python, numpy and torch (task sampling, LoRA init, rollout sampling); evaluations
     draw from their own generator seeded with it"""
     env: Literal["household", "alfworld"] = "household"
-    """household (built in, no download) or alfworld (needs $ALFWORLD_DATA; `python -m
-    envs.alfworld_games` makes games offline)"""
+    """household (built in, no download) or alfworld (needs $ALFWORLD_DATA: the benchmark's games
+    from alfworld-download, or games made offline by `python -m envs.alfworld_games`, real engine
+    but not the benchmark's games, so not comparable with published numbers)"""
     env_workers: int = 0
     """processes that step a batch's games at once (0: this process); ALFWorld's engine takes
     about 0.6 s to load and reset a game [preset: household 0 | alfworld the CPU cores, shared
