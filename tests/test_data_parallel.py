@@ -29,8 +29,8 @@ def run(command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
     if done.returncode != 0 and GLOO_ABORT in done.stderr:
         # A two-process CPU launch sometimes dies in the middle of its update with this C++
-        # abort and no Python error (2 of 2 full-suite runs on a busy 2-core machine, 0 of 6
-        # runs of the same test alone; not understood). Launch it once more, loudly.
+        # abort and no Python error (2 of 3 full-suite runs on a 2-core machine, 0 of 5 runs
+        # outside the full suite; not understood). Launch it once more, loudly.
         print(f"retrying after a gloo abort: {shlex.join(command)}", file=sys.stderr)
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout)
