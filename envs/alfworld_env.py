@@ -79,10 +79,11 @@ def vocabulary() -> list[str]:
     """Every word an ALFWorld game can print or accept, for the word-level tiny tokenizer: the
     grammar's texts and command templates, the goal sentences' templates and the names of all
     ALFRED object and receptacle kinds (a game names "sinkbasin 1" after its kind)."""
-    import alfworld
     from alfworld.gen import constants, goal_library
 
-    with open(os.path.join(os.path.dirname(alfworld.__file__), "data", "alfred.twl2")) as f:
+    from envs.alfworld_games import wheel_paths
+
+    with open(wheel_paths()["grammar"]) as f:
         words = set(re.findall(r"[a-z]+", f.read().lower()))
     for goal in goal_library.gdict.values():
         words |= set(re.findall(r"[a-z]+", " ".join(goal["templates"]).lower()))
@@ -107,8 +108,8 @@ def memoize_engine() -> None:
       textworld.logic's `_parse_and_convert`) are cached.
     - Translations: a game's load and every reset run Fast Downward's translator on the same
       domain and problem (twice: plain and optimized). fast_downward.pddl2sas is cached too, for
-      the last TRANSLATIONS_KEPT problems (a reset, or another copy of the same game, then costs
-      no translation).
+      the last TRANSLATIONS_KEPT translations (a reset, or another copy of the same game, then
+      costs no translation).
 
     Each call gets a deep copy of the cached result, because the engine writes into what it is
     given. The observations and admissible commands are unchanged (tested against TextWorld
@@ -117,36 +118,30 @@ def memoize_engine() -> None:
     from textworld import logic
     from textworld.envs.pddl import textgen
 
-    translate = fast_downward.pddl2sas
-    if not getattr(translate, "memoized", False):
-        translations = collections.OrderedDict()  # least recently used first
+    fast_downward.pddl2sas = _memoized(fast_downward.pddl2sas, kept=TRANSLATIONS_KEPT)
+    textgen._parse_and_convert = _memoized(textgen._parse_and_convert)
+    logic._parse_and_convert = _memoized(logic._parse_and_convert)
 
-        def memoized_translate(domain, problem, verbose=False, optimize=False):
-            key = (domain, problem, verbose, optimize)
-            if key not in translations:
-                translations[key] = translate(domain, problem, verbose=verbose, optimize=optimize)
-                if len(translations) > TRANSLATIONS_KEPT:
-                    translations.popitem(last=False)
-            translations.move_to_end(key)
-            task, sas = translations[key]
-            return copy.deepcopy(task), sas
 
-        memoized_translate.memoized = True
-        fast_downward.pddl2sas = memoized_translate
-    for module in (textgen, logic):
-        parse = module._parse_and_convert
-        if getattr(parse, "memoized", False):
-            continue
-        cache = {}
+def _memoized(function, kept: int | None = None):
+    """`function` (pure) with its results cached by arguments, the `kept` most recently used
+    (all when None); every call gets a deep copy. A function already memoized is returned as it
+    is, so memoize_engine may run many times."""
+    if getattr(function, "memoized", False):
+        return function
+    cache = collections.OrderedDict()  # least recently used first
 
-        def memoized(*args, _parse=parse, _cache=cache, **kwargs):
-            key = (args, tuple(sorted(kwargs.items())))
-            if key not in _cache:
-                _cache[key] = _parse(*args, **kwargs)
-            return copy.deepcopy(_cache[key])
+    def memoized(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = function(*args, **kwargs)
+            if kept is not None and len(cache) > kept:
+                cache.popitem(last=False)
+        cache.move_to_end(key)
+        return copy.deepcopy(cache[key])
 
-        memoized.memoized = True
-        module._parse_and_convert = memoized
+    memoized.memoized = True
+    return memoized
 
 
 TRANSLATIONS_KEPT = 64  # translations memoize_engine keeps (a problem has two: plain, optimized)

@@ -299,9 +299,11 @@ def make_game(out: str, split: str, task_type: str, index: int, seed: int,
     """Sample, write and solve one game; its game file, or None when the draw gave no game the
     expert wins (the written files are then removed). Deterministic in (seed, split, type,
     index)."""
+    from alfworld.gen import constants
+
     rng = random.Random(f"{seed}/{split}/{task_type}/{index}")
     scenes = [s for s in scene_numbers(split)
-              if room_type(s) in _goals_valid()[task_type]]
+              if room_type(s) in constants.GOALS_VALID[task_type]]
     rng.shuffle(scenes)
     for scene_number in scenes:  # the first scene of the shuffled order that has such a goal
         scene = load_scene(scene_number, paths["layouts"])
@@ -351,12 +353,6 @@ def make_game(out: str, split: str, task_type: str, index: int, seed: int,
         return None
     _write_json(game_file, {**game, "solvable": True, "walkthrough": walkthrough})
     return game_file
-
-
-def _goals_valid() -> dict:
-    from alfworld.gen import constants
-
-    return constants.GOALS_VALID
 
 
 def _write_json(path: str, data: dict) -> None:

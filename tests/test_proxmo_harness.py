@@ -75,6 +75,20 @@ def test_a_nan_update_stops_before_the_weights_change(tiny):
         model.unload()
 
 
+def _update_from(start: dict, args, model, tok, samples) -> tuple[dict, dict]:
+    """The LoRA weights set to `start`, then one policy_update with SGD on `samples`: (its stats,
+    the new LoRA weights). SGD: Adam's first steps are sign-like and would amplify float noise in
+    tiny gradients."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(start[n])
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    stats = policy_update(args, model, tok, optimizer, samples,
+                          torch.Generator().manual_seed(0), 1)
+    return stats, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def test_recorded_old_logprobs_give_the_update_of_scored_ones(tiny):
     """The old log-probs the hf backend records while sampling replace the scoring pass: the same
     batch gives the same loss and the same new LoRA weights either way (to float tolerance)."""
@@ -90,20 +104,9 @@ def test_recorded_old_logprobs_give_the_update_of_scored_ones(tiny):
         assert all(len(r) == len(lp) for r, lp in zip(responses, logprobs))
         results = []
         for recorded in (logprobs, [None] * len(prompts)):
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if p.requires_grad:
-                        p.copy_(start[n])
             samples = [(p, r, (-1.0) ** k, lp)
                        for k, (p, r, lp) in enumerate(zip(prompts, responses, recorded))]
-            # SGD: Adam's first steps are sign-like and would amplify float noise in tiny
-            # gradients.
-            optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-            stats = policy_update(args, model, tok, optimizer, samples,
-                                  torch.Generator().manual_seed(0), 1)
-            weights = {n: p.detach().clone() for n, p in model.named_parameters()
-                       if p.requires_grad}
-            results.append((stats, weights))
+            results.append(_update_from(start, args, model, tok, samples))
     finally:
         model.unload()
     (recorded_stats, recorded_weights), (scored_stats, scored_weights) = results
@@ -133,15 +136,8 @@ def test_gradient_checkpointing_gives_the_same_update(tiny):
             if checkpointing:
                 model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if p.requires_grad:
-                        p.copy_(start[n])
-            optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-            stats = policy_update(args, model, tok, optimizer, samples,
-                                  torch.Generator().manual_seed(0), 1)
-            results.append((stats["train/loss"], {n: p.detach().clone() for n, p in
-                                                  model.named_parameters() if p.requires_grad}))
+            stats, weights = _update_from(start, args, model, tok, samples)
+            results.append((stats["train/loss"], weights))
         assert model.base_model.model.model.gradient_checkpointing
     finally:
         model.gradient_checkpointing_disable()
