@@ -87,12 +87,98 @@ def _through_first_eos(tokens: list[int], eos_ids: list[int]) -> int:
     return next((j + 1 for j, t in enumerate(tokens) if t in eos_ids), len(tokens))
 
 
+# Prompts per prefill forward pass: hf_generate prefills the distinct prompts of a call sorted by
+# length, so that padding costs little, in batches of this many.
+PREFILL_ROWS = 16
+# A model smaller than this decodes on one CPU thread (see _decode_threads).
+ONE_THREAD_DECODE_PARAMETERS = 50_000_000
+
+
+def _left_padded(prompts: list, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), both (B, width): the prompts right-aligned after pad tokens."""
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        if len(p):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _prefilled_cache(model, prompts: list[list[int]], width: int, pad_id: int, device):
+    """The KV cache of every prompt but its last token, laid out as generate() lays out its own
+    (left-padded to width - 1), with each distinct prompt computed once: a group's episodes often
+    reach the same step with the same prompt. Pad positions hold zeros, which the attention mask
+    hides. The distinct prompts are batched by length, so padding costs little. None when there is
+    nothing to cache, or the model's cache is not a plain one (sliding windows and other layouts
+    are left to generate())."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+    # A one-token prompt has nothing to cache: its slot stays padding.
+    by_length = sorted((k for k in range(len(distinct)) if len(distinct[k]) > 1),
+                       key=lambda k: len(distinct[k]))
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for start in range(0, len(by_length), PREFILL_ROWS):
+        group = by_length[start:start + PREFILL_ROWS]
+        heads = [distinct[k][:-1] for k in group]
+        group_width = max(len(h) for h in heads)
+        ids, mask = _left_padded(heads, group_width, pad_id)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                      position_ids=position_ids.to(device), use_cache=True,
+                      logits_to_keep=1).past_key_values
+        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer
+                                                      for layer in cache.layers):
+            return None
+        slots = torch.tensor(group, device=device)
+        for n, layer in enumerate(cache.layers):
+            if n == len(keys):
+                heads_kv, _, head_dim = layer.keys.shape[1:]
+                shape = (len(distinct), heads_kv, width - 1, head_dim)
+                keys.append(layer.keys.new_zeros(shape))
+                values.append(layer.values.new_zeros(shape))
+            keys[n][slots, :, width - 1 - group_width:] = layer.keys
+            values[n][slots, :, width - 1 - group_width:] = layer.values
+    if not keys:
+        return None
+    slot_of = {p: k for k, p in enumerate(distinct)}
+    rows = torch.tensor([slot_of[tuple(p)] for p in prompts], device=device)
+    return DynamicCache(ddp_cache_data=[(k[rows], v[rows]) for k, v in zip(keys, values)])
+
+
+@contextlib.contextmanager
+def _decode_threads(model, device):
+    """Decode a small model on one CPU thread. A decoding step of the tiny model is a few hundred
+    small operations; with OpenMP's threads asleep between them (OMP_WAIT_POLICY=PASSIVE, which
+    the scripts set) waking the second thread for each costs more than it saves: the decoding
+    steps took about twice as long on 2 threads as on 1 (README, "Where an iteration's time
+    goes"). A large model's decoding step is bound by reading its weights, which every thread
+    helps with."""
+    small = sum(p.numel() for p in model.parameters()) < ONE_THREAD_DECODE_PARAMETERS
+    if torch.device(device).type != "cpu" or not small:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @torch.no_grad()
 def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[int],
                 max_new_tokens: int, temperature: float, top_p: float = 1.0,
                 batch_size: int = 64, return_logprobs: bool = False):
     """Response ids for each prompt, cut after the first eos (which is kept). temperature 0 =
     greedy. Sampling draws from torch's global generator, which --seed fixes.
+
+    Prompts go in batches of `batch_size`. Each batch's prompts are prefilled first, a distinct
+    prompt once (_prefilled_cache), then generate() continues from that cache: the same replies
+    as generate() on the whole batch, with less work when prompts repeat or differ in length.
 
     With return_logprobs (sampling at temperature > 0 without top-p only), also the
     log-probability of each response token under softmax(logits / temperature), the distribution
@@ -108,15 +194,12 @@ def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[i
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(chunk):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+        ids, mask = _left_padded(chunk, width, pad_id)
+        cache = _prefilled_cache(model, chunk, width, pad_id, device)
         recorder = SampledLogprobs(temperature) if return_logprobs else None
-        with _without_checkpoint_generation_config(model):
+        with _without_checkpoint_generation_config(model), _decode_threads(model, device):
             generated = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                       generation_config=config,
+                                       past_key_values=cache, generation_config=config,
                                        logits_processor=[recorder] if recorder else None)
         new_tokens = generated[:, width:]
         chosen = recorder.finish(new_tokens).cpu() if recorder else None

@@ -233,14 +233,25 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
 
     Returns (logp (B, R), mask (B, R), entropy (B, R) or None); R = longest response. Only the
     logits of response positions are materialised (logits_to_keep), which matters for 150k
-    vocabs."""
+    vocabs. A (prompt, response) pair that occurs more than once (a group's episodes often take
+    the same step) goes through the model once and its rows are copies: gradients through the
+    copies add up, and with dropout on they share one dropout mask."""
     device = next(model.parameters()).device
+    row_of: dict[tuple, int] = {}
+    rows = [row_of.setdefault((tuple(p), tuple(r)), len(row_of))
+            for p, r in zip(prompts, responses)]
+    distinct = list(row_of)
     input_ids, attention, position_ids, targets, mask = (
-        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
+        t.to(device) for t in pad_prompt_response([p for p, _ in distinct],
+                                                  [r for _, r in distinct], pad_id))
     R = targets.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
                    logits_to_keep=R + 1, use_cache=False).logits[:, :-1].float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    if len(distinct) < len(rows):
+        index = torch.tensor(rows, device=device)
+        logp, mask = logp[index], mask[index]
+        entropy = entropy[index] if entropy is not None else None
     return logp, mask.float(), entropy

@@ -123,6 +123,101 @@ def test_response_logprobs_at_a_temperature_are_those_of_the_tempered_policy(tin
     assert not torch.allclose(logp[0], torch.log_softmax(logits, -1)[[2, 3], [8, 9]], atol=1e-3)
 
 
+def _rows_through(model):
+    """A list that collects the batch size of every forward pass of `model`, and the hook's
+    handle."""
+    rows = []
+    handle = model.get_input_embeddings().register_forward_hook(
+        lambda module, args, output: rows.append(output.shape[0]))
+    return rows, handle
+
+
+def test_response_logprobs_score_a_repeated_pair_once(tiny):
+    """Pair 0 and pair 2 are the same: one forward row, two equal output rows, and the gradient
+    of a weighted sum is the one of three separate forwards."""
+    model, _ = tiny
+    prompts, responses = [[5, 6, 7], [9, 10], [5, 6, 7]], [[11, 12], [14], [11, 12]]
+    rows, handle = _rows_through(model)
+    try:
+        logp, mask, entropy = response_logprobs(model, prompts, responses, pad_id=0,
+                                                with_entropy=True)
+    finally:
+        handle.remove()
+    assert rows == [2]
+    assert mask.tolist() == [[1, 1], [1, 0], [1, 1]]
+    assert torch.equal(logp[0], logp[2]) and torch.equal(entropy[0], entropy[2])
+    single = [response_logprobs(model, [p], [r], pad_id=0)[0][0]
+              for p, r in zip(prompts, responses)]
+    for i, r in enumerate(responses):
+        assert torch.allclose(logp[i, :len(r)], single[i], atol=1e-5)
+
+    weights = torch.tensor([[1.0], [2.0], [3.0]])
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    (response_logprobs(model, prompts, responses, pad_id=0)[0] * mask * weights).sum().backward()
+    together = [p.grad.clone() for p in params]
+    model.zero_grad()
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        (response_logprobs(model, [p], [r], pad_id=0)[0] * weights[i]).sum().backward()
+    assert all(torch.allclose(a, p.grad, atol=1e-5) for a, p in zip(together, params))
+    model.zero_grad()
+
+
+def test_hf_generate_prefills_each_distinct_prompt_once(tiny, monkeypatch):
+    """Prompts of several lengths, repeated, one of a single token, in prefill batches of 2
+    rows: the replies, greedy and sampled with one seed, and the recorded log-probs are those of
+    generate() on the whole left-padded batch; the prefill passes hold each distinct prompt once;
+    the decoding steps' one thread is given back."""
+    import common.generation as generation
+
+    model, tok = tiny
+    kitchen = tok("you are in the middle of a kitchen .").input_ids
+    nothing = tok("nothing happens .").input_ids
+    desk = tok("you arrive at desk 1 . on the desk 1 , you see a mug 1 .").input_ids
+    prompts = [kitchen, nothing, kitchen, desk, [kitchen[0]], nothing, kitchen]
+    monkeypatch.setattr(generation, "PREFILL_ROWS", 2)
+    eos = [tok.eos_token_id]
+    threads = torch.get_num_threads()
+
+    def plain_generate(temperature):
+        width = max(len(p) for p in prompts)
+        ids, mask = generation._left_padded(prompts, width, tok.pad_token_id)
+        config = generation.sampling_config(temperature=temperature, top_p=1.0,
+                                            max_new_tokens=6, eos_ids=eos,
+                                            pad_id=tok.pad_token_id)
+        recorder = generation.SampledLogprobs(temperature) if temperature > 0 else None
+        with torch.no_grad(), generation._without_checkpoint_generation_config(model):
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                 logits_processor=[recorder] if recorder else None)
+        new = out[:, width:]
+        cuts = [generation._through_first_eos(row, eos) for row in new.tolist()]
+        replies = [row[:cut] for row, cut in zip(new.tolist(), cuts)]
+        if recorder is None:
+            return replies, None
+        chosen = recorder.finish(new)
+        return replies, [chosen[k, :cut] for k, cut in enumerate(cuts)]
+
+    rows, handle = _rows_through(model)
+    try:
+        greedy = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=eos,
+                             max_new_tokens=6, temperature=0.0)
+    finally:
+        handle.remove()
+    # prefill: 3 distinct prompts with more than one token, in batches of 2; then the decoding
+    # steps, each over all 7 rows
+    assert rows[:2] == [2, 1] and set(rows[2:]) == {7}
+    assert greedy == plain_generate(0.0)[0]
+    torch.manual_seed(3)
+    sampled, recorded = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=eos,
+                                    max_new_tokens=6, temperature=1.0, return_logprobs=True)
+    torch.manual_seed(3)
+    expected, expected_logp = plain_generate(1.0)
+    assert sampled == expected
+    for got, want in zip(recorded, expected_logp):
+        assert torch.allclose(torch.tensor(got), want, atol=1e-5)
+    assert torch.get_num_threads() == threads
+
+
 def test_pad_prompt_response_layout():
     ids, attention, positions, targets, mask = pad_prompt_response([[1, 2], [3]], [[4], [5, 6]],
                                                                    pad_id=0)
