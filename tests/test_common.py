@@ -207,6 +207,8 @@ def test_hf_generate_prefills_each_distinct_prompt_once(tiny, monkeypatch):
     # steps, each over all 7 rows
     assert rows[:2] == [2, 1] and set(rows[2:]) == {7}
     assert greedy == plain_generate(0.0)[0]
+    assert hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=eos, max_new_tokens=6,
+                       temperature=0.0, batch_size=3) == greedy
     torch.manual_seed(3)
     sampled, recorded = hf_generate(model, prompts, pad_id=tok.pad_token_id, eos_ids=eos,
                                     max_new_tokens=6, temperature=1.0, return_logprobs=True)
