@@ -17,6 +17,7 @@ import threading
 import torch
 
 from common import UsageError
+from common.model import pad_prompt_response
 
 
 def sampling_config(*, temperature: float, top_p: float, max_new_tokens: int, eos_ids: list[int],
@@ -95,17 +96,6 @@ PREFILL_ROWS = 16
 ONE_THREAD_DECODE_PARAMETERS = 50_000_000
 
 
-def _left_padded(prompts: list, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask), both (B, width): the prompts right-aligned after pad tokens."""
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        if len(p):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-    return ids, mask
-
-
 def _prefilled_cache(model, prompts: list[list[int]], width: int, pad_id: int, device):
     """The KV cache of every prompt but its last token, laid out as generate() lays out its own
     (left-padded to width - 1), with each distinct prompt computed once: a group's episodes often
@@ -126,8 +116,7 @@ def _prefilled_cache(model, prompts: list[list[int]], width: int, pad_id: int, d
         group = by_length[start:start + PREFILL_ROWS]
         heads = [distinct[k][:-1] for k in group]
         group_width = max(len(h) for h in heads)
-        ids, mask = _left_padded(heads, group_width, pad_id)
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, position_ids, _, _ = pad_prompt_response(heads, [[]] * len(heads), pad_id)
         cache = model(input_ids=ids.to(device), attention_mask=mask.to(device),
                       position_ids=position_ids.to(device), use_cache=True,
                       logits_to_keep=1).past_key_values
@@ -205,7 +194,7 @@ def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[i
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         width = max(len(p) for p in chunk)
-        ids, mask = _left_padded(chunk, width, pad_id)
+        ids, mask = pad_prompt_response(chunk, [[]] * len(chunk), pad_id)[:2]
         cache = _prefilled_cache(model, chunk, width, pad_id, device)
         recorder = SampledLogprobs(temperature) if return_logprobs else None
         with _without_checkpoint_generation_config(model), _decode_threads(model, device):

@@ -212,7 +212,8 @@ def pad_prompt_response(prompts: list[list[int]], responses: list[list[int]], pa
     """Left-pad prompts to P and right-pad responses to R, so every response starts at column P.
 
     Returns input_ids (B, P+R), attention_mask (B, P+R), position_ids (B, P+R), response ids
-    (B, R) and response_mask (B, R)."""
+    (B, R) and response_mask (B, R). With empty responses: the prompts as generation lays them
+    out, right-aligned after pad tokens."""
     P = max(len(p) for p in prompts)
     R = max(len(r) for r in responses)
     B = len(prompts)

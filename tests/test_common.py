@@ -181,7 +181,7 @@ def test_hf_generate_prefills_each_distinct_prompt_once(tiny, monkeypatch):
 
     def plain_generate(temperature):
         width = max(len(p) for p in prompts)
-        ids, mask = generation._left_padded(prompts, width, tok.pad_token_id)
+        ids, mask = pad_prompt_response(prompts, [[]] * len(prompts), tok.pad_token_id)[:2]
         config = generation.sampling_config(temperature=temperature, top_p=1.0,
                                             max_new_tokens=6, eos_ids=eos,
                                             pad_id=tok.pad_token_id)
