@@ -486,6 +486,28 @@ class HouseholdEnv:
         return "look"  # everything seen: cannot happen for generated tasks
 
 
+def steps_to_go(game: HouseholdEnv, cap: int = 60) -> int:
+    """The oracle's distance: how many steps the expert takes from the game's current state to a
+    win; 0 for a game already won, `cap` when the expert has not won within `cap` steps. The game
+    is left exactly as it was (snapshot / restore; its step limit does not cut the expert short).
+
+    The expert searches with what the agent has seen, so this is a consistent distance under
+    that expert, not the shortest path. The progress of a step is steps_to_go before it minus
+    steps_to_go after it: +1 for every expert step."""
+    if game.won:
+        return 0
+    saved, max_steps = game.snapshot(), game.max_steps
+    game.max_steps = game.steps + cap
+    try:
+        for taken in range(1, cap + 1):
+            if game.step(game.expert_action())[3]["won"]:
+                return taken
+        return cap
+    finally:
+        game.restore(saved)
+        game.max_steps = max_steps
+
+
 # ---- task sets ----------------------------------------------------------------------------------
 SPLITS = ("train", "valid", "test")
 _FINGERPRINTS: dict[str, set] = {}

@@ -8,7 +8,8 @@ from collections import defaultdict
 import pytest
 
 import envs
-from envs.household import TASK_TYPES, HouseholdEnv, generate_task, task_seeds, vocabulary
+from envs.household import (TASK_TYPES, HouseholdEnv, Task, generate_task, steps_to_go,
+                            task_seeds, vocabulary)
 
 
 def play_expert(seed: int, max_steps: int = 50) -> HouseholdEnv:
@@ -136,3 +137,63 @@ def test_registry_errors_are_clear():
         envs.list_tasks("household", "valid_unseen")
     game = envs.make_game("household", envs.list_tasks("household", "train", 1)[0], max_steps=7)
     assert game.max_steps == 7 and game.task_type in envs.TASK_TYPES
+
+
+def _small_kitchen() -> HouseholdEnv:
+    """Put an apple on the dining table; the apple is in the closed fridge, a mug on the counter.
+    The expert searches countertop 1, then fridge 1: go, go, open, take, go, move = 6 steps."""
+    task = Task(seed=-1, room="kitchen", task_type="pick_and_place_simple",
+                receptacles=["countertop 1", "fridge 1", "diningtable 1"],
+                contents={"countertop 1": ["mug 1"], "fridge 1": ["apple 1"],
+                          "diningtable 1": []},
+                lamp="", target_object="apple", target_receptacle="diningtable",
+                goal="put a apple in diningtable.")
+    game = HouseholdEnv(task, max_steps=8)
+    game.reset()
+    return game
+
+
+def test_steps_to_go_counts_the_experts_remaining_steps():
+    game = _small_kitchen()
+    assert steps_to_go(game) == 6
+    assert steps_to_go(game, cap=4) == 4          # the expert needs more than the cap
+    before = game.snapshot()
+    game.step("go to countertop 1")               # the expert's own first step: progress +1
+    assert steps_to_go(game) == 5
+    game.step("take mug 1 from countertop 1")     # the wrong object: it must be put back, -1
+    assert steps_to_go(game) == 6
+    game.step("move mug 1 to countertop 1")
+    game.step("go to fridge 1")
+    assert steps_to_go(game) == 4                 # countertop 1 is seen: open, take, go, move
+    game.step("open fridge 1")
+    game.step("take apple 1 from fridge 1")
+    assert game.steps == 6 and steps_to_go(game) == 2   # two more steps than the limit allows
+    assert game.snapshot()["steps"] == 6 and game.max_steps == 8
+    game.step("go to diningtable 1")
+    _, reward, done, _ = game.step("move apple 1 to diningtable 1")
+    assert reward == 1.0 and done and steps_to_go(game) == 0
+    game.restore(before)
+    assert steps_to_go(game) == 6
+
+
+def test_steps_to_go_leaves_the_game_as_it_was():
+    game = _small_kitchen()
+    game.step("go to fridge 1")                   # before the expert's countertop 1: progress 0
+    before = copy.deepcopy(game)
+    assert steps_to_go(game) == 6
+    assert game == before                         # every field, the step counter included
+    game.step("open fridge 1")                    # a lucky look: take, go, move remain, +3
+    assert steps_to_go(game) == 3
+
+
+def test_every_expert_step_is_progress_one():
+    for seed in task_seeds("train", 40):
+        game = HouseholdEnv(generate_task(seed))
+        game.reset()
+        distance, done = steps_to_go(game), False
+        while not done:
+            _, _, done, _ = game.step(game.expert_action())
+            after = steps_to_go(game)
+            assert distance - after == 1
+            distance = after
+        assert distance == 0

@@ -1,0 +1,317 @@
+"""Credit accuracy against the household's oracle: does an estimator give more credit to the
+steps that really moved the agent towards its goal?
+
+The household knows what real benchmarks hide: from any state its expert reaches the goal in
+envs.household.steps_to_go steps, so every step of a rollout has a progress, steps_to_go before
+it minus steps_to_go after it (+1 for an expert step, 0 for a detour, negative for a step that
+must be undone). This benchmark plays one batch as in training (the shared start `tiny`, groups of
+one task, the training temperature, seeded), labels every step with its progress, lets each
+estimator compute the per-step credit its update would use on that same batch, with its own
+script's functions, and reports how well the credit ranks the steps:
+
+- same-state AUC: pairs of steps taken from one true game state of one task group, one with
+  progress > 0, one with progress <= 0; the share where the better step got more credit (ties
+  count one half). The comparison that moves the policy gradient; the state's value cancels.
+- sign agreement: the share of steps whose credit is positive exactly when their progress is.
+- within-trajectory AUC, over all trajectories and over failed ones: which steps of an episode
+  helped, what process rewards claim. Every step of a trajectory with one credit scores 0.5.
+
+Each figure comes with a bootstrap standard error over tasks. The oracle is a heuristic
+searching expert, not an optimal planner: steps_to_go is a consistent distance, not the true one.
+ALFWorld has no such oracle here.
+
+    python benchmarks/credit.py                                  # 32 tasks x 8, every estimator
+    python benchmarks/credit.py --estimators grpo gigpo proxmo --num-tasks 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import envs  # noqa: E402
+import istar  # noqa: E402
+import proxmo  # noqa: E402
+from common.model import load_model_and_tokenizer  # noqa: E402
+from envs.household import HouseholdEnv, generate_task, steps_to_go  # noqa: E402
+
+
+# ---- 1. The figures -----------------------------------------------------------------------------
+def _pair_counts(credit: np.ndarray, progress: np.ndarray) -> tuple[float, int]:
+    """(wins, pairs) over the pairs (i, j) of one group with progress_i > 0 >= progress_j: wins
+    counts credit_i > credit_j as 1 and a tie as 1/2."""
+    better, worse = np.sort(credit[progress > 0]), np.sort(credit[progress <= 0])
+    if len(better) == 0 or len(worse) == 0:
+        return 0.0, 0
+    below = np.searchsorted(worse, better, side="left")   # worse credits strictly below
+    not_above = np.searchsorted(worse, better, side="right")
+    wins = below.sum() + 0.5 * (not_above - below).sum()
+    return float(wins), len(better) * len(worse)
+
+
+def credit_auc(credit, progress, groups=None) -> float:
+    """Over all pairs of steps (i, j) with progress_i > 0 >= progress_j (and, when `groups` is
+    given, groups_i == groups_j), the share where credit_i > credit_j, a tie counting one half;
+    NaN when there is no pair. credit, progress, groups: (M,) sequences, one entry per step."""
+    credit, progress = np.asarray(credit, dtype=float), np.asarray(progress, dtype=float)
+    groups = np.zeros(len(credit), dtype=int) if groups is None else np.asarray(groups)
+    wins = pairs = 0
+    for g in np.unique(groups):
+        w, p = _pair_counts(credit[groups == g], progress[groups == g])
+        wins, pairs = wins + w, pairs + p
+    return wins / pairs if pairs else float("nan")
+
+
+def sign_agreement(credit, progress) -> float:
+    """The share of steps with credit > 0 exactly when progress > 0 (a credit of 0 is not
+    positive); NaN without steps."""
+    credit, progress = np.asarray(credit, dtype=float), np.asarray(progress, dtype=float)
+    return float(np.mean((credit > 0) == (progress > 0))) if len(credit) else float("nan")
+
+
+FIGURES = ("same-state AUC", "sign agreement", "within-trajectory AUC", "within failed")
+
+
+def task_counts(batch: "Batch", credit: list[Tensor]) -> np.ndarray:
+    """(tasks, figures, 2): per task of the batch the numerator and denominator of each figure,
+    so that a figure over any multiset of tasks is a ratio of sums (what the bootstrap needs)."""
+    counts = np.zeros((len(batch.task_ids), len(FIGURES), 2))
+    for i, traj in enumerate(batch.trajs):
+        k = batch.task_index[i]
+        c = credit[i].detach().to(torch.float64).numpy()
+        p = np.asarray(batch.progress[i], dtype=float)
+        if len(c) != len(p):
+            raise ValueError(f"trajectory {i}: {len(c)} credits for {len(p)} steps")
+        counts[k, 1] += ((c > 0) == (p > 0)).sum(), len(p)
+        counts[k, 2] += _pair_counts(c, p)
+        if not traj["won"]:
+            counts[k, 3] += _pair_counts(c, p)
+    for k, rows in batch.same_state:  # the steps from one true state of one task group
+        c = np.array([float(credit[i][t]) for i, t in rows])
+        p = np.array([batch.progress[i][t] for i, t in rows], dtype=float)
+        counts[k, 0] += _pair_counts(c, p)
+    return counts
+
+
+def figures_with_se(counts: np.ndarray, resamples: int = 200,
+                    seed: int = 0) -> list[tuple[float, float]]:
+    """(value, bootstrap SE over tasks) of each figure; the SE is the std of the figure over
+    `resamples` draws of the tasks with replacement (NaN when a figure has no pair)."""
+    totals = counts.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        values = totals[:, 0] / totals[:, 1]
+        rng = np.random.default_rng(seed)
+        draws = rng.integers(0, len(counts), size=(resamples, len(counts)))
+        sums = counts[draws].sum(axis=1)                   # (resamples, figures, 2)
+        boot = sums[..., 0] / sums[..., 1]
+    ses = [float(np.nanstd(boot[:, f], ddof=1)) if totals[f, 1] else float("nan")
+           for f in range(len(FIGURES))]
+    return [(float(v), s) for v, s in zip(values, ses)]
+
+
+# ---- 2. One batch, labelled by the oracle ------------------------------------------------------
+@dataclass
+class Batch:
+    """One training batch of the shared start and its oracle labels. trajs: proxmo.rollout's
+    trajectories (every script's rollout makes the same ones); tasks[i]: the task seed of
+    trajectory i; task_index[i]: its group (the index of its task in task_ids); progress[i]:
+    (T_i,) ints; same_state: (task index, [(trajectory, step), ...]) for each true state of a
+    task group from which more than one step was taken."""
+
+    args: proxmo.Args
+    model: torch.nn.Module
+    tokenizer: object
+    policy: proxmo.Policy
+    trajs: list[dict]
+    tasks: list[int]
+    task_ids: list[int]
+    task_index: list[int]
+    progress: list[list[int]]
+    same_state: list[tuple[int, list[tuple[int, int]]]]
+
+
+def label_progress(task: int, actions: list[str], next_states: list[str],
+                   max_steps: int) -> tuple[list[int], list[tuple]]:
+    """Replay a trajectory's commands in a fresh game of `task`: (progress per step, the true
+    state before each step). The replay must see the observations the rollout saw."""
+    game = HouseholdEnv(generate_task(task), max_steps=max_steps)
+    game.reset()
+    before, progress, states = steps_to_go(game), [], []
+    for action, seen in zip(actions, next_states):
+        snapshot = game.snapshot()
+        snapshot.pop("steps")
+        states.append(repr(sorted(snapshot.items())))
+        obs, _, _, _ = game.step(action)
+        if obs != seen:
+            raise RuntimeError(f"task {task}: the replay of {action!r} saw {obs!r}, the rollout "
+                               f"{seen!r}")
+        after = steps_to_go(game)
+        progress.append(before - after)
+        before = after
+    return progress, states
+
+
+def collect(num_tasks: int, group_size: int, seed: int, temperature: float | None = None,
+            max_episode_steps: int | None = None) -> Batch:
+    """Rollouts of the shared start on `num_tasks` training tasks (drawn with `seed`) x
+    `group_size`, as proxmo.py's first iteration plays them (its tiny preset: temperature, step
+    limit), each step labelled with its progress."""
+    args = replace(proxmo.preset_args("tiny", "household"), seed=seed, group_size=group_size)
+    if temperature is not None:
+        args.rollout_temperature = temperature
+    if max_episode_steps is not None:
+        args.max_episode_steps = max_episode_steps
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model, tokenizer = load_model_and_tokenizer(args.model, seed=seed)
+    model.requires_grad_(False)
+    policy = proxmo.Policy(args, model, tokenizer)
+    task_ids = random.Random(seed).sample(envs.list_tasks("household", "train"), num_tasks)
+    tasks = [t for t in task_ids for _ in range(group_size)]
+    groups = [k for k in range(num_tasks) for _ in range(group_size)]
+    trajs = proxmo.rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
+    progress, by_state = [], defaultdict(list)
+    for i, (task, traj) in enumerate(zip(tasks, trajs)):
+        p, states = label_progress(task, [s["action"] for s in traj["steps"]],
+                                   [s["next_state"] for s in traj["steps"]],
+                                   args.max_episode_steps)
+        progress.append(p)
+        for t, state in enumerate(states):
+            by_state[groups[i], state].append((i, t))
+    same_state = [(k, rows) for (k, _), rows in by_state.items() if len(rows) > 1]
+    return Batch(args, model, tokenizer, policy, trajs, tasks, task_ids, groups, progress,
+                 same_state)
+
+
+# ---- 3. The estimators: each script's own functions on the batch -------------------------------
+# Each takes the batch and returns (credit per trajectory as (T_i,) tensors, what data beyond the
+# batch it used). The credit is the per-step advantage the script's update would use.
+def proxmo_credit(batch: Batch, advantage: str) -> tuple[list[Tensor], str]:
+    """GRPO, GiGPO or ProxMO with proxmo.py's tiny preset."""
+    args = replace(batch.args, advantage=advantage)
+    return proxmo.compute_advantages(args, batch.trajs), "the batch"
+
+
+def rloo_credit(batch: Batch) -> tuple[list[Tensor], str]:
+    """RLOO, iStar's baseline, with istar.py's tiny preset (outcome --success-reward x won)."""
+    args = replace(istar.preset_args("tiny", "household"), seed=batch.args.seed,
+                   advantage="rloo")
+    return istar.compute_advantages(args, batch.trajs), "the batch"
+
+
+ESTIMATORS = {
+    "grpo": lambda batch: proxmo_credit(batch, "grpo"),
+    "gigpo": lambda batch: proxmo_credit(batch, "gigpo"),
+    "proxmo": lambda batch: proxmo_credit(batch, "proxmo"),
+    "rloo": rloo_credit,
+}
+LABELS = {"grpo": "GRPO (proxmo.py)", "gigpo": "GiGPO (proxmo.py)", "proxmo": "ProxMO (proxmo.py)",
+          "rloo": "RLOO (istar.py)"}
+
+
+# ---- 4. Table and picture -----------------------------------------------------------------------
+def markdown_table(rows: list[dict]) -> str:
+    """One row per estimator: the four figures +- SE, the data it used, its seconds."""
+    lines = ["| estimator | " + " | ".join(FIGURES) + " | data | seconds |",
+             "| --- | " + " | ".join("---" for _ in FIGURES) + " | --- | --- |"]
+    for row in rows:
+        cells = [f"{v:.3f} +- {se:.3f}" for v, se in row["figures"]]
+        lines.append(f"| {LABELS[row['name']]} | " + " | ".join(cells) +
+                     f" | {row['data']} | {row['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """One bar group per estimator, a bar per figure with its SE, the 0.5 of no information."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 2), 3.6))
+    width = 0.8 / len(FIGURES)
+    for f, name in enumerate(FIGURES):
+        xs = [r + (f - (len(FIGURES) - 1) / 2) * width for r in range(len(rows))]
+        ax.bar(xs, [row["figures"][f][0] for row in rows], width,
+               yerr=[row["figures"][f][1] for row in rows], capsize=2, label=name)
+    ax.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(rows)), [LABELS[row["name"]].split(" (")[0] for row in rows])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("share of pairs / steps")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=len(FIGURES), loc="lower center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS),
+                        choices=list(ESTIMATORS), help="which (default: all)")
+    parser.add_argument("--num-tasks", type=int, default=32, help="training tasks (default 32)")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts per task (default 8)")
+    parser.add_argument("--seed", type=int, default=1, help="draws tasks and samples (default 1)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature (default: the training temperature)")
+    parser.add_argument("--max-episode-steps", type=int, default=None,
+                        help="step limit (default: the training limit)")
+    parser.add_argument("--resamples", type=int, default=200, help="bootstrap draws (default 200)")
+    parser.add_argument("--out", default=os.path.join("runs", "benchmark-credit"),
+                        help="where table.md and credit.png go (default runs/benchmark-credit)")
+    args = parser.parse_args(argv)
+    for flag in ("num_tasks", "group_size", "resamples"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.num_tasks > len(envs.list_tasks("household", "train")):
+        parser.error(f"--num-tasks {args.num_tasks}: the household has fewer training tasks")
+    if args.temperature is not None and args.temperature <= 0:
+        parser.error("--temperature must be > 0")
+    if args.max_episode_steps is not None and args.max_episode_steps < 1:
+        parser.error("--max-episode-steps must be >= 1")
+    os.makedirs(args.out, exist_ok=True)
+
+    began = time.time()
+    batch = collect(args.num_tasks, args.group_size, args.seed, args.temperature,
+                    args.max_episode_steps)
+    steps = [p for traj in batch.progress for p in traj]
+    won = np.mean([t["won"] for t in batch.trajs])
+    summary = (f"{args.num_tasks} train tasks x {args.group_size}, temperature "
+               f"{batch.args.rollout_temperature}, seed {args.seed}: {len(batch.trajs)} "
+               f"episodes, success {won:.3f}, {len(steps)} steps (progress > 0: "
+               f"{np.mean(np.array(steps) > 0):.3f}), {len(batch.same_state)} states with more "
+               f"than one step")
+    print(f"{summary} [{time.time() - began:.0f}s]", flush=True)
+    rows = []
+    for name in args.estimators:
+        start = time.time()
+        torch.manual_seed(args.seed)
+        credit, data = ESTIMATORS[name](batch)
+        counts = task_counts(batch, credit)
+        rows.append({"name": name, "figures": figures_with_se(counts, args.resamples, args.seed),
+                     "data": data, "seconds": time.time() - start})
+        print(markdown_table(rows[-1:]).splitlines()[-1], flush=True)
+    markdown = markdown_table(rows)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(f"{summary}\n\n{markdown}\n")
+    plot(rows, os.path.join(args.out, "credit.png"), summary)
+    print(markdown)
+    print(f"(table.md and credit.png in {args.out}; {time.time() - began:.0f}s in all)")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
