@@ -1,14 +1,21 @@
-"""The learning protocol: does RL beat its start? Runs a method script for several training seeds
-and prints one markdown table.
+"""The learning protocol: does a method beat its own baseline? Runs a method script for several
+training seeds, pairs each method with its baseline seed by seed, and writes tables and pictures.
 
 Every run starts from the same shipped model (--model tiny), trains with the protocol's budget
-and evaluates on every task of --split at temperature 0.4 before and after RL, with the same
-evaluation seed at both ends (paired draws). The gain of a seed is its end minus its start; the
-table gives the mean gain over seeds +- its standard error (sample std / sqrt(seeds)).
+and evaluates on every task of --split at temperature 0.4 before and after RL. A seed fixes the
+first task draws and the evaluation draws, so the method and its baseline are evaluated on the
+same draws (paired). The gain of a run is its end minus its start; the paired difference of a
+seed is the method's gain minus its baseline's. Tables give means +- standard errors (sample std
+/ sqrt(seeds)); a method "beats" its baseline only when the paired difference exceeds two
+standard errors over at least 6 seeds, anything less is "not distinguishable".
 
-Choose hyperparameters with --split valid; the test split is for the final table only.
+Resumable: each finished run leaves a small record (evaluations, per-iteration training success,
+minutes) under --results, and a run whose record or summary exists is read, not run again, so a
+table of many runs can be built over several sittings (commit the records).
 
-    python benchmarks/learning.py                                   # ProxMO, GRPO, GiGPO x 3 seeds
+Choose hyperparameters with --split valid; the test split is for the final tables only.
+
+    python benchmarks/learning.py                                   # ProxMO, GRPO, GiGPO x 6 seeds
     python benchmarks/learning.py --script spa.py                   # SPA and its PPO baseline
     python benchmarks/learning.py --estimators proxmo --split valid -- --learning-rate 1e-3
 """
@@ -20,6 +27,7 @@ import glob
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +40,10 @@ PROTOCOL_FLAGS = ["--iterations", "20", "--tasks-per-iteration", "8"]
 ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"],
               "istar.py": ["istar", "rloo", "grpo"], "hisr.py": ["hisr", "ppo"],
               "sspo.py": ["sspo", "grpo"]}
+# Each method's own baseline in its script, for the paired differences.
+BASELINE = {"proxmo": "grpo", "gigpo": "grpo", "spa": "ppo", "istar": "rloo", "hisr": "ppo",
+            "sspo": "grpo"}
+MIN_SEEDS = 6  # fewer seeds: no claim, however large the difference
 
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:
@@ -45,36 +57,99 @@ def mean_and_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(variance / n)
 
 
+def verdict(differences: list[float]) -> str:
+    """"beats" / "loses to" when the mean paired difference is more than two standard errors
+    from 0 over at least MIN_SEEDS seeds; otherwise "not distinguishable"."""
+    if len(differences) < MIN_SEEDS:
+        return f"not distinguishable ({len(differences)} < {MIN_SEEDS} seeds)"
+    mean, se = mean_and_se(differences)
+    if mean > 2 * se:
+        return "beats"
+    if mean < -2 * se:
+        return "loses to"
+    return "not distinguishable"
+
+
+# ---- runs and their records ---------------------------------------------------------------------
+def run_name(estimator: str, seed: int) -> str:
+    return f"{estimator}-seed{seed}"
+
+
+def training_curve(run_path: str, tag: str = "rollout/success") -> list[float]:
+    """The per-iteration values of `tag` that the run logged to TensorBoard, by iteration."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(run_path, size_guidance={"scalars": 0})
+    events.Reload()
+    if tag not in events.Tags()["scalars"]:
+        return []
+    return [e.value for e in sorted(events.Scalars(tag), key=lambda e: e.step)]
+
+
+def make_record(summary_file: str, flags: list[str]) -> dict:
+    """What the tables read of a finished run: its evaluations, training success per iteration
+    and minutes (from its config written to its summary written: model loading to the end)."""
+    run_path = os.path.dirname(summary_file)
+    with open(summary_file) as f:
+        summary = json.load(f)
+    with open(os.path.join(run_path, "config.json")) as f:
+        command = json.load(f)["command"]
+    seconds = os.path.getmtime(summary_file) - os.path.getmtime(os.path.join(run_path,
+                                                                              "config.json"))
+    return {"flags": flags, "command": command, "minutes": seconds / 60,
+            "evaluations": summary["evaluations"], "train_success": training_curve(run_path)}
+
+
 def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: int,
-            out_dir: str, flags: list[str]) -> dict:
-    """One training run; its summary.json with the run's wall-clock minutes added."""
-    run_dir = os.path.join(out_dir, f"{estimator}-seed{seed}")
+            runs_dir: str, records_dir: str, flags: list[str]) -> dict:
+    """One training run's record: read from records_dir, else made from a finished run in
+    runs_dir, else the run is started there (its log beside it) and then recorded."""
+    record_file = os.path.join(records_dir, run_name(estimator, seed) + ".json")
+    if os.path.isfile(record_file):
+        with open(record_file) as f:
+            record = json.load(f)
+        if record["flags"] != flags:
+            raise SystemExit(f"{record_file} was run with flags {record['flags']}, not {flags}: "
+                             "choose another --results for other flags")
+        print(f"  {run_name(estimator, seed)}: recorded", flush=True)
+        return record
+    run_dir = os.path.join(runs_dir, run_name(estimator, seed))
     command = [sys.executable, os.path.join(ROOT, script), "--advantage", estimator,
                "--seed", str(seed), "--eval-splits", split,
-               "--eval-num-tasks", str(eval_num_tasks),
-               "--run-dir", run_dir, *flags]
+               "--eval-num-tasks", str(eval_num_tasks), "--run-dir", run_dir, *flags]
     iterations = _last_value(command, "--iterations")
     if iterations is not None:  # evaluate only at the start and the end
         command += ["--eval-every", iterations]
-    print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", flush=True)
-    began = time.time()
-    log_file = os.path.join(out_dir, f"{estimator}-seed{seed}.log")
-    with open(log_file, "w") as log:
-        result = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    minutes = (time.time() - began) / 60
-    if result.returncode != 0:
-        with open(log_file) as f:
-            tail = f.read()[-2000:]
-        raise SystemExit(f"run failed (exit {result.returncode}), log {log_file}:\n{tail}")
-    (summary_file,) = glob.glob(os.path.join(run_dir, "*", "summary.json"))
-    with open(summary_file) as f:
-        summary = json.load(f)
-    summary["minutes"] = minutes
-    evaluations = summary["evaluations"]
+    summaries = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")))
+    if summaries:  # finished, with no record yet
+        print(f"  {run_name(estimator, seed)}: finished in {run_dir}", flush=True)
+    else:  # an unfinished run is started again, in a run directory of its own
+        print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", flush=True)
+        os.makedirs(runs_dir, exist_ok=True)
+        log_file = os.path.join(runs_dir, run_name(estimator, seed) + ".log")
+        with open(log_file, "w") as log:
+            result = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        if result.returncode != 0:
+            with open(log_file) as f:
+                tail = f.read()[-2000:]
+            raise SystemExit(f"run failed (exit {result.returncode}), log {log_file}:\n{tail}")
+        summaries = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")))
+    record = make_record(summaries[-1], flags)
+    os.makedirs(records_dir, exist_ok=True)
+    with open(record_file, "w") as f:
+        json.dump(record, f, indent=1)
+    evaluations = record["evaluations"]
     start, end = evaluations["0"], evaluations[max(evaluations, key=int)]
     print(f"  start {start[f'eval_{split}/success']:.3f} -> end {end[f'eval_{split}/success']:.3f}"
-          f" ({minutes:.1f} min)", flush=True)
-    return summary
+          f" ({record['minutes']:.1f} min)", flush=True)
+    return record
+
+
+def finished(records_dir: str, runs_dir: str, estimator: str, seed: int) -> bool:
+    """Whether the run has a record, or a finished run directory to make one from."""
+    name = run_name(estimator, seed)
+    return (os.path.isfile(os.path.join(records_dir, name + ".json"))
+            or bool(glob.glob(os.path.join(runs_dir, name, "*", "summary.json"))))
 
 
 def _last_value(command: list[str], flag: str) -> str | None:
@@ -82,57 +157,148 @@ def _last_value(command: list[str], flag: str) -> str | None:
     return values[-1] if values else None
 
 
-def table(script: str, split: str, results: dict[str, list[dict]]) -> str:
-    """Markdown: one row per estimator, then one per estimator and task type."""
+# ---- tables -------------------------------------------------------------------------------------
+def gain(record: dict, key: str) -> tuple[float, float]:
+    """(start, end) of an evaluation key: the first and the last evaluation."""
+    evaluations = record["evaluations"]
+    return evaluations["0"][key], evaluations[max(evaluations, key=int)][key]
+
+
+def table(script: str, split: str, results: dict[str, dict[int, dict]]) -> str:
+    """Markdown: one row per estimator, one per estimator and task type."""
     lines = ["| script | estimator | seeds | start success | after RL | gain +- SE | "
              "grounding start -> end | minutes per run |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     per_type = []
     for estimator, runs in results.items():
-        starts = [r["evaluations"]["0"] for r in runs]
-        ends = [r["evaluations"][max(r["evaluations"], key=int)] for r in runs]
+        records = list(runs.values())
 
         def cell(key: str) -> tuple[str, str, str]:
-            start, _ = mean_and_se([s[key] for s in starts])
-            end, _ = mean_and_se([e[key] for e in ends])
-            gain, se = mean_and_se([e[key] - s[key] for s, e in zip(starts, ends)])
-            return f"{start:.3f}", f"{end:.3f}", f"{gain:+.3f} +- {se:.3f}"
+            pairs = [gain(r, key) for r in records]
+            start, _ = mean_and_se([s for s, _ in pairs])
+            end, _ = mean_and_se([e for _, e in pairs])
+            mean, se = mean_and_se([e - s for s, e in pairs])
+            return f"{start:.3f}", f"{end:.3f}", f"{mean:+.3f} +- {se:.3f}"
 
-        start, end, gain = cell(f"eval_{split}/success")
+        start, end, change = cell(f"eval_{split}/success")
         g_start, g_end, _ = cell(f"eval_{split}/grounding")
-        minutes, _ = mean_and_se([r["minutes"] for r in runs])
-        lines.append(f"| {script} | {estimator} | {len(runs)} | {start} | {end} | {gain} | "
+        minutes, _ = mean_and_se([r["minutes"] for r in records])
+        lines.append(f"| {script} | {estimator} | {len(records)} | {start} | {end} | {change} | "
                      f"{g_start} -> {g_end} | {minutes:.1f} |")
-        types = sorted(k.rsplit("_", 1)[1] for k in starts[0]
+        types = sorted(k.rsplit("_", 1)[1] for k in records[0]["evaluations"]["0"]
                        if k.startswith(f"eval_{split}/success_"))
         for task_type in types:
-            start, end, gain = cell(f"eval_{split}/success_{task_type}")
-            per_type.append(f"| {estimator} | {task_type} | {start} | {end} | {gain} |")
+            start, end, change = cell(f"eval_{split}/success_{task_type}")
+            per_type.append(f"| {estimator} | {task_type} | {start} | {end} | {change} |")
     lines += ["", "| estimator | task type | start | after RL | gain +- SE |",
               "| --- | --- | --- | --- | --- |", *per_type]
     return "\n".join(lines)
 
 
+def paired_differences(split: str, results: dict[str, dict[int, dict]]) -> dict[str, dict]:
+    """For each method whose baseline ran too: the seeds both ran, and per seed the method's gain
+    minus the baseline's."""
+    key = f"eval_{split}/success"
+    out = {}
+    for method, runs in results.items():
+        baseline = BASELINE.get(method)
+        if baseline not in results:
+            continue
+        seeds = sorted(set(runs) & set(results[baseline]))
+        differences = []
+        for seed in seeds:
+            m_start, m_end = gain(runs[seed], key)
+            b_start, b_end = gain(results[baseline][seed], key)
+            differences.append((m_end - m_start) - (b_end - b_start))
+        if seeds:
+            out[method] = {"baseline": baseline, "seeds": seeds, "differences": differences}
+    return out
+
+
+def paired_table(pairs: dict[str, dict]) -> str:
+    """Markdown: one row per method and its baseline."""
+    lines = ["| method | baseline | seeds | difference per seed | mean difference +- SE | "
+             "verdict |", "| --- | --- | --- | --- | --- | --- |"]
+    for method, pair in pairs.items():
+        mean, se = mean_and_se(pair["differences"])
+        per_seed = " / ".join(f"{d:+.3f}" for d in pair["differences"])
+        lines.append(f"| {method} | {pair['baseline']} | {len(pair['seeds'])} | {per_seed} | "
+                     f"{mean:+.3f} +- {se:.3f} | {verdict(pair['differences'])} |")
+    return "\n".join(lines)
+
+
+# ---- pictures -----------------------------------------------------------------------------------
+def plot(script: str, split: str, results: dict[str, dict[int, dict]], pairs: dict[str, dict],
+         path: str) -> None:
+    """Left: training success per iteration, mean over seeds with a band of +- one SE. Right:
+    each method's paired difference to its baseline, every seed a dot, the mean +- 2 SE."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6),
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    for estimator, runs in results.items():
+        curves = [r["train_success"] for r in runs.values() if r["train_success"]]
+        if not curves:
+            continue
+        length = min(len(c) for c in curves)
+        stats = [mean_and_se([c[i] for c in curves]) for i in range(length)]
+        means = [m for m, _ in stats]
+        ses = [0.0 if math.isnan(s) else s for _, s in stats]
+        xs = list(range(1, length + 1))
+        left.plot(xs, means, label=f"{estimator} ({len(curves)} seeds)")
+        left.fill_between(xs, [m - s for m, s in zip(means, ses)],
+                          [m + s for m, s in zip(means, ses)], alpha=0.2)
+    left.set_xlabel("iteration")
+    left.set_ylabel("training success (rollouts)")
+    left.set_title(f"{script}: training success, mean +- SE over seeds", fontsize=9)
+    left.legend(fontsize=7)
+    for k, (method, pair) in enumerate(pairs.items()):
+        mean, se = mean_and_se(pair["differences"])
+        right.scatter([k] * len(pair["differences"]), pair["differences"], s=12, color="grey")
+        right.errorbar([k + 0.15], [mean], yerr=[0 if math.isnan(se) else 2 * se], fmt="o",
+                       capsize=4)
+    right.axhline(0, color="black", linewidth=0.8)
+    right.set_xlim(-0.5, len(pairs) - 0.5)
+    right.set_xticks(range(len(pairs)), [f"{m} - {p['baseline']}\n({len(p['seeds'])} seeds)"
+                                         for m, p in pairs.items()], fontsize=8)
+    right.set_ylabel(f"paired difference of {split} gains")
+    right.set_title("per seed (dots), mean +- 2 SE", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Flags after -- go to every run of the script, after "
-                                            "the protocol's: " + " ".join(PROTOCOL_FLAGS))
+                                            "the protocol's: " + " ".join(PROTOCOL_FLAGS) +
+                                            ". Runs already recorded under --results, or "
+                                            "finished under --runs, are read, not run again.")
     parser.add_argument("--script", default="proxmo.py", help="method script (default proxmo.py)")
     parser.add_argument("--estimators", nargs="+", default=None,
                         help="values of the script's --advantage (default: the script's method "
                              "and baselines, " + "; ".join(f"{k}: {' '.join(v)}"
                                                            for k, v in ESTIMATORS.items()) + ")")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3],
-                        help="training seeds (default 1 2 3)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6],
+                        help="training seeds (default 1-6: a claim needs 6)")
     parser.add_argument("--split", default="test", choices=["valid", "test"],
                         help="evaluation split, every task of it (default test; tune on valid)")
     parser.add_argument("--eval-num-tasks", type=int, default=0,
                         help="first tasks of --split to evaluate (default 0 = all: the protocol)")
-    parser.add_argument("--out", default=os.path.join("runs", "benchmark-learning"),
-                        help="where the runs, their logs and table.md go")
-    own, flags = argv, []
+    parser.add_argument("--results", default=None,
+                        help="records, table.md and learning.png (default benchmarks/results/"
+                             "learning/<split>/<script>, with the extra flags in the name)")
+    parser.add_argument("--runs", default=os.path.join("runs", "learning"),
+                        help="where the run directories and their logs go (default "
+                             "runs/learning)")
+    parser.add_argument("--finished-only", action="store_true",
+                        help="tables and pictures of the finished runs alone; start none")
+    own, extra = argv, []
     if "--" in argv:
-        own, flags = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+        own, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = parser.parse_args(own)
     if not os.path.isfile(os.path.join(ROOT, args.script)):
         parser.error(f"--script {args.script}: no such file in {ROOT}")
@@ -140,20 +306,37 @@ def main(argv: list[str]) -> str:
         if args.script not in ESTIMATORS:
             parser.error(f"--script {args.script}: name its --advantage values with --estimators")
         args.estimators = ESTIMATORS[args.script]
-    out_dir = os.path.join(args.out, time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(out_dir, exist_ok=True)
-    results: dict[str, list[dict]] = {}
+    if args.eval_num_tasks < 0:
+        parser.error("--eval-num-tasks must be >= 0")
+    flags = PROTOCOL_FLAGS + extra
+    if args.eval_num_tasks:
+        extra = extra + [f"eval{args.eval_num_tasks}"]
+    where = os.path.join(args.split, args.script)
+    if extra:  # runs with other flags are other runs
+        where = os.path.join(where, "-".join(re.sub(r"[^\w.=-]+", "", e.lstrip("-"))
+                                             for e in extra))
+    records_dir = args.results or os.path.join(ROOT, "benchmarks", "results", "learning", where)
+    runs_dir = os.path.abspath(os.path.join(args.runs, where))
+    results: dict[str, dict[int, dict]] = {}
     for estimator in args.estimators:
         for seed in args.seeds:
-            summary = run_one(args.script, estimator, seed, args.split, args.eval_num_tasks,
-                              out_dir, PROTOCOL_FLAGS + flags)
-            results.setdefault(estimator, []).append(summary)
-            markdown = table(args.script, args.split, results)
-            with open(os.path.join(out_dir, "table.md"), "w") as f:  # rewritten after each run
-                f.write(f"flags: {' '.join(PROTOCOL_FLAGS + flags)}; seeds {args.seeds}; split "
-                        f"{args.split}\n\n{markdown}\n")
+            if args.finished_only and not finished(records_dir, runs_dir, estimator, seed):
+                continue
+            results.setdefault(estimator, {})[seed] = run_one(
+                args.script, estimator, seed, args.split, args.eval_num_tasks, runs_dir,
+                records_dir, flags)
+    if not results:
+        raise SystemExit(f"no finished run in {records_dir} or {runs_dir}")
+    pairs = paired_differences(args.split, results)
+    markdown = table(args.script, args.split, results)
+    if pairs:
+        markdown += "\n\n" + paired_table(pairs)
+    with open(os.path.join(records_dir, "table.md"), "w") as f:
+        f.write(f"flags: {' '.join(flags)}; seeds {args.seeds}; split {args.split}\n\n"
+                f"{markdown}\n")
+    plot(args.script, args.split, results, pairs, os.path.join(records_dir, "learning.png"))
     print(markdown)
-    print(f"(runs, logs and table.md in {out_dir})")
+    print(f"(records, table.md and learning.png in {records_dir}; runs and logs in {runs_dir})")
     return markdown
 
 

@@ -1,6 +1,8 @@
-"""benchmarks/learning.py: its statistics by hand, and the whole protocol at a tiny size (two
-estimators x two seeds, a few tasks) so that the script cannot rot."""
+"""benchmarks/learning.py: its statistics by hand, the pairing and the verdict, and the whole
+protocol at a tiny size (two estimators x two seeds, a few tasks), resumed from its records, so
+that the script cannot rot."""
 
+import json
 import math
 import os
 import re
@@ -12,7 +14,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from learning import PROTOCOL_FLAGS, mean_and_se, table  # noqa: E402
+from learning import (PROTOCOL_FLAGS, mean_and_se, paired_differences,  # noqa: E402
+                      paired_table, table, verdict)
+
+
+def _record(start, end, minutes=10.0):
+    return {"minutes": minutes, "train_success": [0.5, 0.6], "evaluations": {
+        "0": {"eval_test/success": start, "eval_test/grounding": 0.5,
+              "eval_test/success_heat": start},
+        "10": {"eval_test/success": end, "eval_test/grounding": 0.7,
+               "eval_test/success_heat": end}}}
 
 
 def test_mean_and_standard_error_by_hand():
@@ -25,30 +36,48 @@ def test_mean_and_standard_error_by_hand():
 
 
 def test_table_pairs_each_seed_start_with_its_end():
-    def run(start, end, minutes):
-        return {"minutes": minutes, "evaluations": {
-            "0": {"eval_test/success": start, "eval_test/grounding": 0.5,
-                  "eval_test/success_heat": start},
-            "10": {"eval_test/success": end, "eval_test/grounding": 0.7,
-                   "eval_test/success_heat": end}}}
-
     markdown = table("proxmo.py", "test",
-                     {"proxmo": [run(0.30, 0.35, 10.0), run(0.40, 0.41, 12.0)]})
+                     {"proxmo": {1: _record(0.30, 0.35, 10.0), 2: _record(0.40, 0.41, 12.0)}})
     # gains 0.05 and 0.01: mean 0.03, SE = |0.05 - 0.01| / 2 = 0.02
     assert ("| proxmo.py | proxmo | 2 | 0.350 | 0.380 | +0.030 +- 0.020 | 0.500 -> 0.700 | 11.0 |"
             in markdown)
     assert "| proxmo | heat | 0.350 | 0.380 | +0.030 +- 0.020 |" in markdown
 
 
-def test_the_protocol_runs_at_a_tiny_size(tmp_path):
-    result = subprocess.run(
+def test_paired_differences_use_the_seeds_both_ran():
+    results = {"proxmo": {1: _record(0.5, 0.60), 2: _record(0.4, 0.46), 3: _record(0.5, 0.5)},
+               "grpo": {1: _record(0.5, 0.55), 2: _record(0.4, 0.42)}}
+    pairs = paired_differences("test", results)
+    # seed 1: 0.10 - 0.05; seed 2: 0.06 - 0.02; seed 3 has no baseline run
+    assert list(pairs) == ["proxmo"] and pairs["proxmo"]["seeds"] == [1, 2]
+    assert pairs["proxmo"]["differences"] == pytest.approx([0.05, 0.04])
+    # mean 0.045, SE = 0.01 / 2 = 0.005; 2 seeds make no claim
+    assert ("| proxmo | grpo | 2 | +0.050 / +0.040 | +0.045 +- 0.005 | not distinguishable "
+            "(2 < 6 seeds) |" in paired_table(pairs))
+
+
+def test_a_claim_needs_six_seeds_and_two_standard_errors():
+    assert verdict([0.05] * 5) == "not distinguishable (5 < 6 seeds)"
+    # 0.01, 0.02, ..., 0.06: mean 0.035, sample std 0.018708, SE 0.0076376: 4.6 SE
+    assert verdict([0.01, 0.02, 0.03, 0.04, 0.05, 0.06]) == "beats"
+    assert verdict([-0.01, -0.02, -0.03, -0.04, -0.05, -0.06]) == "loses to"
+    # mean 0.01, SE = sqrt((4 * 0.05^2 + 2 * 0.03^2) / 5 / 6) = 0.0198: 0.5 SE
+    assert verdict([0.06, -0.04, 0.06, -0.04, 0.04, -0.02]) == "not distinguishable"
+
+
+def _protocol(tmp_path, *extra):
+    return subprocess.run(
         [sys.executable, "benchmarks/learning.py", "--estimators", "proxmo", "grpo",
-         "--seeds", "1", "2",
-         "--split", "valid", "--eval-num-tasks", "4", "--out", str(tmp_path), "--",
+         "--seeds", "1", "2", "--split", "valid", "--eval-num-tasks", "4",
+         "--results", str(tmp_path / "records"), "--runs", str(tmp_path / "runs"), *extra, "--",
          "--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2",
          "--max-episode-steps", "5"],
         cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
         timeout=600)
+
+
+def test_the_protocol_runs_at_a_tiny_size_and_resumes_from_its_records(tmp_path):
+    result = _protocol(tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = re.findall(r"^\| proxmo\.py \| (\w+) \| 2 \| ([\d.]+) \| ([\d.]+) \| "
                       r"([+-][\d.]+) \+- ([\d.]+) \|",
@@ -56,19 +85,41 @@ def test_the_protocol_runs_at_a_tiny_size(tmp_path):
     assert [r[0] for r in rows] == ["proxmo", "grpo"]
     for _, start, end, gain, se in rows:
         assert float(gain) == pytest.approx(float(end) - float(start), abs=1.5e-3)
-    (table_file,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files
-                     if f == "table.md"]
-    with open(table_file) as f:
-        assert " ".join(PROTOCOL_FLAGS + ["--iterations", "1"]) in f.read()
-    logs = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".log")]
-    assert sorted(logs) == ["grpo-seed1.log", "grpo-seed2.log", "proxmo-seed1.log",
-                            "proxmo-seed2.log"]
+    assert re.search(r"^\| proxmo \| grpo \| 2 \| [+-][\d.]+ / [+-][\d.]+ \| .* \| not "
+                     r"distinguishable \(2 < 6 seeds\) \|$", result.stdout, re.MULTILINE)
+    records = tmp_path / "records"
+    assert sorted(os.listdir(records)) == ["grpo-seed1.json", "grpo-seed2.json",
+                                           "learning.png", "proxmo-seed1.json",
+                                           "proxmo-seed2.json", "table.md"]
+    record = json.loads((records / "proxmo-seed1.json").read_text())
+    assert record["flags"] == PROTOCOL_FLAGS + ["--iterations", "1", "--tasks-per-iteration",
+                                                "2", "--group-size", "2",
+                                                "--max-episode-steps", "5"]
+    assert len(record["train_success"]) == 1 and record["minutes"] > 0
+    assert " ".join(PROTOCOL_FLAGS + ["--iterations", "1"]) in (records / "table.md").read_text()
+    logs = sorted(f for _, _, files in os.walk(tmp_path / "runs") for f in files
+                  if f.endswith(".log"))
+    assert logs == ["grpo-seed1.log", "grpo-seed2.log", "proxmo-seed1.log", "proxmo-seed2.log"]
+
+    # Again: every run is read from its record, or from its finished run directory when the
+    # record is gone; none runs again, and the tables are the same.
+    os.remove(records / "grpo-seed2.json")
+    again = _protocol(tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "grpo-seed2: finished in" in again.stdout and "--advantage" not in again.stdout
+    assert again.stdout.split("| script |")[1] == result.stdout.split("| script |")[1]
+    assert json.loads((records / "grpo-seed2.json").read_text())["flags"] == record["flags"]
+    os.remove(records / "proxmo-seed1.json")
+    only = _protocol(tmp_path, "--finished-only", "--seeds", "1", "2", "3")
+    assert only.returncode == 0, only.stdout[-2000:] + only.stderr[-2000:]
+    assert "| proxmo | grpo | 2 |" in only.stdout and "--advantage" not in only.stdout
 
 
 def test_spa_runs_its_own_estimators_by_default(tmp_path):
     result = subprocess.run(
         [sys.executable, "benchmarks/learning.py", "--script", "spa.py", "--seeds", "1",
-         "--split", "valid", "--eval-num-tasks", "3", "--out", str(tmp_path), "--",
+         "--split", "valid", "--eval-num-tasks", "3", "--results", str(tmp_path / "records"),
+         "--runs", str(tmp_path / "runs"), "--",
          "--iterations", "1", "--tasks-per-iteration", "2", "--group-size", "2",
          "--max-episode-steps", "4", "--explore-num-tasks", "3", "--explore-rollouts", "2"],
         cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
@@ -76,3 +127,4 @@ def test_spa_runs_its_own_estimators_by_default(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = re.findall(r"^\| spa\.py \| (\w+) \| 1 \|", result.stdout, re.MULTILINE)
     assert rows == ["spa", "ppo"]
+    assert "| spa | ppo | 1 |" in result.stdout

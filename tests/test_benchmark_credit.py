@@ -1,0 +1,82 @@
+"""benchmarks/credit.py: its figures worked by hand, the oracle's labels on a replayed expert
+game, and the whole benchmark at a tiny size, so that the script cannot rot."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from credit import (ESTIMATORS, FIGURES, LABELS, credit_auc, figures_with_se,  # noqa: E402
+                    label_progress, sign_agreement)
+from envs.household import HouseholdEnv, generate_task  # noqa: E402
+
+
+def test_credit_auc_by_hand():
+    credit, progress = [3.0, 1.0, 2.0, 2.0], [1, 0, 1, -1]
+    # better steps (progress > 0): credits 3 and 2; the others: 1 and 2. Pairs: 3 > 1, 3 > 2,
+    # 2 > 1, and 2 = 2 counts one half: 3.5 of 4.
+    assert credit_auc(credit, progress) == 0.875
+    # groups [0, 0, 1, 1]: (3 vs 1) wins, (2 vs 2) ties: 1.5 of 2 pairs, pooled
+    assert credit_auc(credit, progress, groups=[0, 0, 1, 1]) == 0.75
+    assert math.isnan(credit_auc([1.0, 2.0], [1, 1]))            # no step without progress
+    assert math.isnan(credit_auc(credit, progress, groups=[0, 1, 2, 3]))
+
+
+def test_one_credit_per_trajectory_scores_exactly_one_half_within_it():
+    rng = np.random.default_rng(0)
+    progress = rng.integers(-1, 2, size=60)
+    trajectory = np.repeat(np.arange(6), 10)
+    credit = rng.normal(size=6)[trajectory]                       # GRPO's shape of credit
+    assert credit_auc(credit, progress, groups=trajectory) == 0.5
+    assert credit_auc(credit, progress) != 0.5                    # across trajectories it ranks
+
+
+def test_sign_agreement_by_hand():
+    # agree: (+, +), (0 credit, 0 progress), (-, -1); disagree: (+, 0), (-, +1)
+    assert sign_agreement([0.5, 0.0, -1.0, 0.2, -0.3], [1, 0, -1, 0, 1]) == 0.6
+
+
+def test_bootstrap_over_identical_tasks_has_no_spread():
+    counts = np.tile(np.array([[3, 4], [6, 10], [1, 2], [0, 0]], dtype=float), (5, 1, 1))
+    figures = figures_with_se(counts, resamples=50)
+    assert [v for v, _ in figures[:3]] == [0.75, 0.6, 0.5]
+    assert [se for _, se in figures[:3]] == pytest.approx([0.0, 0.0, 0.0], abs=1e-12)
+    assert math.isnan(figures[3][0]) and math.isnan(figures[3][1])   # no pair at all
+
+
+def test_a_replayed_expert_game_is_progress_one_at_every_step():
+    game = HouseholdEnv(generate_task(3))
+    game.reset()
+    actions, seen, done = [], [], False
+    while not done:
+        actions.append(game.expert_action())
+        obs, _, done, _ = game.step(actions[-1])
+        seen.append(obs)
+    progress, states = label_progress(3, actions, seen, max_steps=50)
+    assert progress == [1] * len(actions) and len(set(states)) == len(actions)
+    with pytest.raises(RuntimeError, match="the replay of"):
+        label_progress(3, actions, ["something else"] + seen[1:], max_steps=50)
+
+
+def test_the_benchmark_runs_at_a_tiny_size(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/credit.py", "--num-tasks", "3", "--group-size", "3",
+         "--max-episode-steps", "8", "--resamples", "20", "--out", str(tmp_path)],
+        cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+        timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["credit.png", "table.md"]
+    table = (tmp_path / "table.md").read_text()
+    for name in ESTIMATORS:
+        row = re.search(rf"^\| {re.escape(LABELS[name])} \| (.*) \|$", table, re.MULTILINE)
+        cells = row.group(1).split(" | ")[:len(FIGURES)]
+        for cell in cells:
+            value, se = cell.split(" +- ")
+            assert value == "nan" or 0 <= float(value) <= 1
