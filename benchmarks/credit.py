@@ -27,16 +27,20 @@ ALFWorld has no such oracle here.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import random
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-import numpy as np
-import torch
-from torch import Tensor
+# Before torch loads OpenMP, as the scripts do: waiting threads sleep instead of spinning (next to
+# another busy process, spinning made this benchmark several times slower).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -44,7 +48,9 @@ sys.path.insert(0, ROOT)
 import envs  # noqa: E402
 import istar  # noqa: E402
 import proxmo  # noqa: E402
-from common.model import load_model_and_tokenizer  # noqa: E402
+import spa  # noqa: E402
+import sspo  # noqa: E402
+from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
 from envs.household import HouseholdEnv, generate_task, steps_to_go  # noqa: E402
 
 
@@ -140,19 +146,27 @@ class Batch:
     task_index: list[int]
     progress: list[list[int]]
     same_state: list[tuple[int, list[tuple[int, int]]]]
+    cache: dict = field(default_factory=dict)  # what two estimators share (a search, a PRM)
+
+
+def state_key(game: HouseholdEnv) -> str:
+    """The game's true state as text (its step counter left out), the same in every process:
+    sets are written sorted, since their order depends on the string hash seed."""
+    snapshot = game.snapshot()
+    snapshot.pop("steps")
+    return repr([(name, sorted(value) if isinstance(value, set) else value)
+                 for name, value in sorted(snapshot.items())])
 
 
 def label_progress(task: int, actions: list[str], next_states: list[str],
-                   max_steps: int) -> tuple[list[int], list[tuple]]:
+                   max_steps: int) -> tuple[list[int], list[str]]:
     """Replay a trajectory's commands in a fresh game of `task`: (progress per step, the true
     state before each step). The replay must see the observations the rollout saw."""
     game = HouseholdEnv(generate_task(task), max_steps=max_steps)
     game.reset()
     before, progress, states = steps_to_go(game), [], []
     for action, seen in zip(actions, next_states):
-        snapshot = game.snapshot()
-        snapshot.pop("steps")
-        states.append(repr(sorted(snapshot.items())))
+        states.append(state_key(game))
         obs, _, _, _ = game.step(action)
         if obs != seen:
             raise RuntimeError(f"task {task}: the replay of {action!r} saw {obs!r}, the rollout "
@@ -212,14 +226,212 @@ def rloo_credit(batch: Batch) -> tuple[list[Tensor], str]:
     return istar.compute_advantages(args, batch.trajs), "the batch"
 
 
+# SPA's progress estimator (PE) learns from the start's exploration: spa.py explores 64 tasks x 8;
+# here the first 16 of those tasks (the same draw), x 8, to keep the estimator near 3 minutes
+# (12 tasks gave a PE worse than a constant on its held-out task).
+EXPLORE_NUM_TASKS = 16
+
+
+def spa_first_iteration(batch: Batch, advantage: str) -> tuple[list[Tensor], str]:
+    """spa.py's advantage at its first iteration (tiny preset): the zero-initialised value head
+    gives V = 0 and the zero LoRA adapter a step KL of 0 to the reference; with SPA, c_t from a PE
+    trained as main trains it (spa.explore of the start, spa.train_progress_estimator) and
+    spa.score_progress; then spa.compute_advantages (GAE, whitened over the batch)."""
+    args = replace(spa.preset_args("tiny", "household"), seed=batch.args.seed,
+                   advantage=advantage)
+    trajs = [{**t, "steps": [{**s, "value": 0.0, "step_kl": 0.0, "contrib": 0.0}
+                             for s in t["steps"]]} for t in batch.trajs]
+    data = "the batch; V = 0 (the zero-initialised critic of iteration 1)"
+    if advantage == "spa":
+        targets = args.lora_target_modules
+        targets = targets if targets == "all-linear" else targets.split(",")
+        tasks = random.Random(args.seed + 2).sample(envs.list_tasks("household", "train"),
+                                                    EXPLORE_NUM_TASKS)
+        with torch.random.fork_rng():
+            torch.manual_seed(args.seed)
+            explored = spa.explore(args, spa.Policy(args, batch.model, batch.tokenizer), tasks)
+            pe = add_lora(copy.deepcopy(batch.model), args.lora_r, args.lora_alpha,
+                          args.lora_dropout, targets)
+            head = spa.make_head(pe.config.hidden_size, args.pe_head, "cpu")
+            spa.train_progress_estimator(args, pe, head, batch.tokenizer, explored,
+                                         random.Random(args.seed + 3))
+        spa.score_progress(args, pe, head, batch.tokenizer, trajs)
+        data = (f"own exploration, {EXPLORE_NUM_TASKS} tasks x {args.explore_rollouts} (spa.py: "
+                f"{args.explore_num_tasks} x {args.explore_rollouts}); V = 0 (iteration 1)")
+    advantages, _ = spa.compute_advantages(args, [spa.summarize(t) for t in trajs])
+    return [torch.tensor(a, dtype=torch.float64) for a in advantages], data
+
+
+# iStar's PRM is the policy at its first iteration (every step reward exactly 0: iStar = RLOO).
+# What is measured is the PRM after DPO_STEPS of the method's DPO steps, each on a fresh batch of
+# the protocol's size (8 other training tasks x 8) of the frozen start: 5 of the protocol's 20, to
+# keep the estimator near 4 minutes.
+DPO_STEPS = 5
+PROTOCOL_TASKS = 8
+
+
+def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
+    """Eq. 1 of every step of the batch under the PRM after DPO_STEPS DPO steps (istar.py's tiny
+    preset; the PRM, its adapter and optimizer as istar.py's main makes them; each step as an
+    iteration of main without the policy update: rollout, score_responses of the start and the
+    PRM, step_rewards_per_trajectory, prm_update), pi_old the start. Computed once a batch."""
+    if "istar" in batch.cache:
+        return batch.cache["istar"]
+    args = replace(istar.preset_args("tiny", "household"), seed=batch.args.seed)
+    targets = args.lora_target_modules
+    targets = targets if targets == "all-linear" else targets.split(",")
+    policy = istar.Policy(args, batch.model, batch.tokenizer)
+
+    def step_rewards(prm, trajs: list[dict]) -> tuple[list[list[float]], list[tuple]]:
+        steps = [(s["prompt"], s["response_ids"]) for tr in trajs for s in tr["steps"]]
+        old = istar.score_responses(batch.model, batch.tokenizer, steps, args.micro_batch_size,
+                                    args.rollout_temperature)
+        new = istar.score_responses(prm, batch.tokenizer, steps, args.micro_batch_size,
+                                    args.rollout_temperature)
+        rewards = istar.step_rewards_per_trajectory(trajs, new, old, args.beta)
+        return rewards, [(p, r, lp) for (p, r), lp in zip(steps, old)]
+
+    pool = [t for t in envs.list_tasks("household", "train") if t not in set(batch.task_ids)]
+    task_rng = random.Random(args.seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed + 1)  # the PRM's adapter, then its rollouts
+        prm = add_lora(copy.deepcopy(batch.model), args.lora_r, args.lora_alpha,
+                       args.lora_dropout, targets)
+        optimizer = torch.optim.AdamW([p for p in prm.parameters() if p.requires_grad],
+                                      lr=args.prm_learning_rate, weight_decay=0.0)
+        for step in range(1, DPO_STEPS + 1):
+            task_ids = task_rng.sample(pool, PROTOCOL_TASKS)
+            tasks = [t for t in task_ids for _ in range(args.group_size)]
+            groups = [g for g in range(PROTOCOL_TASKS) for _ in range(args.group_size)]
+            trajs = istar.rollout(args, batch.tokenizer, policy, tasks, groups,
+                                  args.rollout_temperature)
+            rewards, samples = step_rewards(prm, trajs)
+            summary = [{**istar.summarize(t), "step_rewards": r} for t, r in zip(trajs, rewards)]
+            istar.prm_update(args, prm, batch.tokenizer, optimizer, summary, samples,
+                             range(len(trajs)), step)
+    rewards, _ = step_rewards(prm, batch.trajs)
+    data = (f"{DPO_STEPS} DPO steps, each on {PROTOCOL_TASKS * args.group_size} fresh rollouts of "
+            "other tasks by the frozen start")
+    batch.cache["istar"] = rewards, data
+    return rewards, data
+
+
+def istar_credit(batch: Batch) -> tuple[list[Tensor], str]:
+    """iStar with istar.py's tiny preset (RLOO estimator) and the trained PRM's step rewards."""
+    rewards, data = istar_step_rewards(batch)
+    args = replace(istar.preset_args("tiny", "household"), seed=batch.args.seed,
+                   advantage="istar")
+    trajs = [{**t, "step_rewards": r} for t, r in zip(batch.trajs, rewards)]
+    return istar.compute_advantages(args, trajs), data
+
+
+def istar_reward_credit(batch: Batch) -> tuple[list[Tensor], str]:
+    """The trained PRM's raw step rewards: what the process reward claims of each step."""
+    rewards, data = istar_step_rewards(batch)
+    return [torch.tensor(r, dtype=torch.float64) for r in rewards], data
+
+
+def sspo_search(batch: Batch) -> tuple[sspo.Args, sspo.StateTable, str]:
+    """3SPO's state table after its own search on the batch's tasks (sspo.py's tiny preset and
+    budget, --tasks-per-iteration tasks at a time, one table), by the start policy without any
+    update: search_and_learn's loop of search_round and update_counters, less the update.
+    Computed once a batch."""
+    if "sspo" in batch.cache:
+        return batch.cache["sspo"]
+    args = replace(sspo.preset_args("tiny", "household"), seed=batch.args.seed)
+    policy = sspo.Policy(args, batch.model, batch.tokenizer)
+    table, paths, pathless = sspo.StateTable(), 0, 0
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        for first in range(0, len(batch.task_ids), args.tasks_per_iteration):
+            tasks = batch.task_ids[first:first + args.tasks_per_iteration]
+            searches = [sspo.new_search(args, task) for task in tasks]
+            while any(sspo.search_active(args, search) for search in searches):
+                _, finished, _ = sspo.search_round(args, batch.tokenizer, policy, searches,
+                                                   table, defaultdict(float))
+                for index, keys, won in finished:
+                    searches[index]["paths"] += 1
+                    sspo.update_counters(table.counts, keys, won)
+                    table.t += 1
+                    paths += 1
+            pathless += sum(search["paths"] == 0 for search in searches)
+    data = (f"own search on the batch's tasks by the start, no update ({paths} paths, "
+            f"{pathless} tasks without one)")
+    batch.cache["sspo"] = args, table, data
+    return batch.cache["sspo"]
+
+
+def sspo_step_rewards(batch: Batch) -> tuple[list[list[float]], list[list[str]], str]:
+    """Eq. 2's step reward of every step of the batch from the searched counts (final t), as
+    search_round rewards a child (a "Nothing happens." keeps the state's key; success and
+    terminal = the step won; valid = well formed), and the key of each step's state."""
+    args, table, data = sspo_search(batch)
+    rewards, sources = [], []
+    for task, traj in zip(batch.tasks, batch.trajs):
+        key = sspo.state_key(str(task), traj["steps"][0]["state"],
+                             args.share_states_across_tasks)
+        row, keys = [], []
+        for step, reward in zip(traj["steps"], traj["rewards"]):
+            next_key = key if step["next_state"] == sspo.NOTHING_HAPPENS else sspo.state_key(
+                str(task), step["next_state"], args.share_states_across_tasks)
+            won = reward > 0
+            row += sspo.transition_rewards(
+                table.counts, key, [next_key], [won], [step["well_formed"]], table.t,
+                args.score_alpha, args.fail_threshold, args.success_threshold,
+                k=args.novelty_decay, invalid_penalty=args.step_invalid_penalty,
+                terminals=[won], novelty=args.novelty_reward,
+                score_difference=args.score_difference_reward,
+                fixed_weight=args.fixed_novelty_weight)
+            keys.append(key)
+            key = next_key
+        rewards.append(row)
+        sources.append(keys)
+    return rewards, sources, data
+
+
+def sspo_reward_credit(batch: Batch) -> tuple[list[Tensor], str]:
+    """3SPO's step rewards (Eq. 2) themselves."""
+    rewards, _, data = sspo_step_rewards(batch)
+    return [torch.tensor(r, dtype=torch.float64) for r in rewards], data
+
+
+def sspo_credit(batch: Batch) -> tuple[list[Tensor], str]:
+    """3SPO's advantage (Eq. 4): group_advantages of the step rewards of the batch's steps taken
+    from one state key within one task group (3SPO's children of a state); 0 for a state left
+    by one step only (3SPO trains no group of one)."""
+    rewards, sources, data = sspo_step_rewards(batch)
+    children: dict = defaultdict(list)
+    for i, keys in enumerate(sources):
+        for t, key in enumerate(keys):
+            children[batch.task_index[i], key].append((i, t))
+    credit = [torch.zeros(len(row), dtype=torch.float64) for row in rewards]
+    use_std = sspo.preset_args("tiny", "household").use_std
+    for members in children.values():
+        if len(members) > 1:
+            advantages = sspo.group_advantages([rewards[i][t] for i, t in members],
+                                               use_std=use_std)
+            for (i, t), advantage in zip(members, advantages):
+                credit[i][t] = advantage
+    return credit, data + "; children: a group's steps from one state"
+
+
 ESTIMATORS = {
     "grpo": lambda batch: proxmo_credit(batch, "grpo"),
     "gigpo": lambda batch: proxmo_credit(batch, "gigpo"),
     "proxmo": lambda batch: proxmo_credit(batch, "proxmo"),
+    "ppo": lambda batch: spa_first_iteration(batch, "ppo"),
+    "spa": lambda batch: spa_first_iteration(batch, "spa"),
     "rloo": rloo_credit,
+    "istar": istar_credit,
+    "istar-rewards": istar_reward_credit,
+    "sspo": sspo_credit,
+    "sspo-rewards": sspo_reward_credit,
 }
 LABELS = {"grpo": "GRPO (proxmo.py)", "gigpo": "GiGPO (proxmo.py)", "proxmo": "ProxMO (proxmo.py)",
-          "rloo": "RLOO (istar.py)"}
+          "ppo": "PPO (spa.py)", "spa": "SPA (spa.py)",
+          "rloo": "RLOO (istar.py)", "istar": "iStar (istar.py)",
+          "istar-rewards": "iStar step rewards (istar.py)", "sspo": "3SPO (sspo.py)",
+          "sspo-rewards": "3SPO step rewards (sspo.py)"}
 
 
 # ---- 4. Table and picture -----------------------------------------------------------------------
