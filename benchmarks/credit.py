@@ -33,7 +33,7 @@ import random
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 # Before torch loads OpenMP, as the scripts do: waiting threads sleep instead of spinning (next to
 # another busy process, spinning made this benchmark several times slower).
@@ -46,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import envs  # noqa: E402
+import hisr  # noqa: E402
 import istar  # noqa: E402
 import proxmo  # noqa: E402
 import spa  # noqa: E402
@@ -92,7 +93,8 @@ FIGURES = ("same-state AUC", "sign agreement", "within-trajectory AUC", "within 
 
 def task_counts(batch: "Batch", credit: list[Tensor]) -> np.ndarray:
     """(tasks, figures, 2): per task of the batch the numerator and denominator of each figure,
-    so that a figure over any multiset of tasks is a ratio of sums (what the bootstrap needs)."""
+    so that a figure over any multiset of tasks is a ratio of sums (what the bootstrap needs).
+    A step whose credit is NaN (an estimator that scored part of the batch) is left out."""
     counts = np.zeros((len(batch.task_ids), len(FIGURES), 2))
     for i, traj in enumerate(batch.trajs):
         k = batch.task_index[i]
@@ -100,6 +102,7 @@ def task_counts(batch: "Batch", credit: list[Tensor]) -> np.ndarray:
         p = np.asarray(batch.progress[i], dtype=float)
         if len(c) != len(p):
             raise ValueError(f"trajectory {i}: {len(c)} credits for {len(p)} steps")
+        c, p = c[~np.isnan(c)], p[~np.isnan(c)]
         counts[k, 1] += ((c > 0) == (p > 0)).sum(), len(p)
         counts[k, 2] += _pair_counts(c, p)
         if not traj["won"]:
@@ -107,14 +110,16 @@ def task_counts(batch: "Batch", credit: list[Tensor]) -> np.ndarray:
     for k, rows in batch.same_state:  # the steps from one true state of one task group
         c = np.array([float(credit[i][t]) for i, t in rows])
         p = np.array([batch.progress[i][t] for i, t in rows], dtype=float)
-        counts[k, 0] += _pair_counts(c, p)
+        counts[k, 0] += _pair_counts(c[~np.isnan(c)], p[~np.isnan(c)])
     return counts
 
 
 def figures_with_se(counts: np.ndarray, resamples: int = 200,
                     seed: int = 0) -> list[tuple[float, float]]:
     """(value, bootstrap SE over tasks) of each figure; the SE is the std of the figure over
-    `resamples` draws of the tasks with replacement (NaN when a figure has no pair)."""
+    `resamples` draws of the tasks with replacement (NaN when a figure has no pair). Tasks
+    without any counted step (not scored by the estimator) are left out of the draws."""
+    counts = counts[counts[:, 1, 1] > 0]
     totals = counts.sum(axis=0)
     with np.errstate(invalid="ignore", divide="ignore"):
         values = totals[:, 0] / totals[:, 1]
@@ -128,6 +133,27 @@ def figures_with_se(counts: np.ndarray, resamples: int = 200,
 
 
 # ---- 2. One batch, labelled by the oracle ------------------------------------------------------
+@dataclass
+class Budget:
+    """What the estimators that need data of their own get, from the same start and seed."""
+
+    # SPA's progress estimator learns from exploration: spa.py's 64 tasks x 8 take minutes; the
+    # first 16 of its draw keep it near 3 (12 gave a PE worse than a constant on held-out tasks).
+    explore_tasks: int = 16
+    # HISR's reward models learn from a collection: hisr.py's 48 tasks x 4, here the first 16.
+    collect_tasks: int = 16
+    # HISR's hindsight pass (a cloze input of the whole episode per reply) is the slowest
+    # scoring: it scores the batch's first hisr_tasks task groups, and its figures rest on them.
+    hisr_tasks: int = 8
+    # iStar's PRM equals the policy at iteration 1 (every step reward 0: iStar = RLOO); measured
+    # is the PRM after dpo_steps of its DPO steps, each on dpo_tasks other tasks x 8 rollouts of
+    # the frozen start (the protocol takes 20 steps of 8 tasks).
+    dpo_steps: int = 5
+    dpo_tasks: int = 8
+    # 3SPO's search: finished paths per task (0: sspo.py's own budget).
+    search_paths: int = 0
+
+
 @dataclass
 class Batch:
     """One training batch of the shared start and its oracle labels. trajs: proxmo.rollout's
@@ -146,6 +172,7 @@ class Batch:
     task_index: list[int]
     progress: list[list[int]]
     same_state: list[tuple[int, list[tuple[int, int]]]]
+    budget: Budget = field(default_factory=Budget)
     cache: dict = field(default_factory=dict)  # what two estimators share (a search, a PRM)
 
 
@@ -178,7 +205,7 @@ def label_progress(task: int, actions: list[str], next_states: list[str],
 
 
 def collect(num_tasks: int, group_size: int, seed: int, temperature: float | None = None,
-            max_episode_steps: int | None = None) -> Batch:
+            max_episode_steps: int | None = None, budget: Budget | None = None) -> Batch:
     """Rollouts of the shared start on `num_tasks` training tasks (drawn with `seed`) x
     `group_size`, as proxmo.py's first iteration plays them (its tiny preset: temperature, step
     limit), each step labelled with its progress."""
@@ -190,6 +217,7 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # as the scripts
     model, tokenizer = load_model_and_tokenizer(args.model, seed=seed)
     model.requires_grad_(False)
     policy = proxmo.Policy(args, model, tokenizer)
@@ -207,7 +235,7 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
             by_state[groups[i], state].append((i, t))
     same_state = [(k, rows) for (k, _), rows in by_state.items() if len(rows) > 1]
     return Batch(args, model, tokenizer, policy, trajs, tasks, task_ids, groups, progress,
-                 same_state)
+                 same_state, budget or Budget())
 
 
 # ---- 3. The estimators: each script's own functions on the batch -------------------------------
@@ -226,12 +254,6 @@ def rloo_credit(batch: Batch) -> tuple[list[Tensor], str]:
     return istar.compute_advantages(args, batch.trajs), "the batch"
 
 
-# SPA's progress estimator (PE) learns from the start's exploration: spa.py explores 64 tasks x 8;
-# here the first 16 of those tasks (the same draw), x 8, to keep the estimator near 3 minutes
-# (12 tasks gave a PE worse than a constant on its held-out task).
-EXPLORE_NUM_TASKS = 16
-
-
 def spa_first_iteration(batch: Batch, advantage: str) -> tuple[list[Tensor], str]:
     """spa.py's advantage at its first iteration (tiny preset): the zero-initialised value head
     gives V = 0 and the zero LoRA adapter a step KL of 0 to the reference; with SPA, c_t from a PE
@@ -246,7 +268,7 @@ def spa_first_iteration(batch: Batch, advantage: str) -> tuple[list[Tensor], str
         targets = args.lora_target_modules
         targets = targets if targets == "all-linear" else targets.split(",")
         tasks = random.Random(args.seed + 2).sample(envs.list_tasks("household", "train"),
-                                                    EXPLORE_NUM_TASKS)
+                                                    batch.budget.explore_tasks)
         with torch.random.fork_rng():
             torch.manual_seed(args.seed)
             explored = spa.explore(args, spa.Policy(args, batch.model, batch.tokenizer), tasks)
@@ -256,22 +278,67 @@ def spa_first_iteration(batch: Batch, advantage: str) -> tuple[list[Tensor], str
             spa.train_progress_estimator(args, pe, head, batch.tokenizer, explored,
                                          random.Random(args.seed + 3))
         spa.score_progress(args, pe, head, batch.tokenizer, trajs)
-        data = (f"own exploration, {EXPLORE_NUM_TASKS} tasks x {args.explore_rollouts} (spa.py: "
+        data = (f"own exploration, {batch.budget.explore_tasks} tasks x {args.explore_rollouts} (spa.py: "
                 f"{args.explore_num_tasks} x {args.explore_rollouts}); V = 0 (iteration 1)")
     advantages, _ = spa.compute_advantages(args, [spa.summarize(t) for t in trajs])
     return [torch.tensor(a, dtype=torch.float64) for a in advantages], data
 
 
-# iStar's PRM is the policy at its first iteration (every step reward exactly 0: iStar = RLOO).
-# What is measured is the PRM after DPO_STEPS of the method's DPO steps, each on a fresh batch of
-# the protocol's size (8 other training tasks x 8) of the frozen start: 5 of the protocol's 20, to
-# keep the estimator near 4 minutes.
-DPO_STEPS = 5
-PROTOCOL_TASKS = 8
+def hisr_scored(batch: Batch) -> tuple[hisr.Args, list[dict], str]:
+    """hisr.py's steps before its first update (tiny preset): hisr.collect of the start,
+    keep_for_training, trajectory_segments, split_heldout, train_sprm and train_hindsight on
+    copies of the start (auxiliary_copy), then on the batch's first budget.hisr_tasks groups
+    score_segments and score_hindsight, with the recorded old log-probs, V = 0 (the zero critic
+    of iteration 1) and step KL 0 (the zero adapter). Computed once a batch."""
+    if "hisr" in batch.cache:
+        return batch.cache["hisr"]
+    args = replace(hisr.preset_args("tiny", "household"), seed=batch.args.seed,
+                   collect_num_tasks=batch.budget.collect_tasks)
+    targets = args.lora_target_modules
+    targets = targets if targets == "all-linear" else targets.split(",")
+    train_tasks = envs.list_tasks("household", "train")
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        tasks = random.Random(args.seed + 2).sample(train_tasks, args.collect_num_tasks)
+        collected = hisr.collect(args, hisr.Policy(args, batch.model, batch.tokenizer), tasks)
+        kept = [t for t in collected if hisr.keep_for_training(t)]
+        for t in kept:
+            t["seg_ids"] = hisr.trajectory_segments(args, t)
+        train, heldout = hisr.split_heldout(kept, args.aux_heldout, random.Random(args.seed + 3))
+        sprm = hisr.auxiliary_copy(args, batch.model, targets)
+        head = hisr.SegmentRewardHead(batch.model.config.hidden_size)
+        hisr.train_sprm(args, sprm, head, batch.tokenizer, kept, train, heldout,
+                        random.Random(args.seed + 4))
+        hindsight = hisr.auxiliary_copy(args, batch.model, targets)
+        hisr.train_hindsight(args, hindsight, batch.model, batch.tokenizer, kept, train,
+                             heldout, random.Random(args.seed + 5))
+    trajs = [{**t, "steps": [{**s, "old_logprobs": torch.tensor(s["logprobs"]), "value": 0.0,
+                              "step_kl": 0.0} for s in t["steps"]]}
+             for t, k in zip(batch.trajs, batch.task_index) if k < batch.budget.hisr_tasks]
+    hisr.score_segments(args, sprm, head, batch.tokenizer, trajs)
+    hisr.score_hindsight(args, hindsight, batch.tokenizer, trajs)
+    data = (f"own collection, {args.collect_num_tasks} tasks x {args.collect_rollouts} (hisr.py: "
+            f"{hisr.preset_args('tiny', 'household').collect_num_tasks} x "
+            f"{args.collect_rollouts}), {len(kept)} kept; V = 0; the first "
+            f"{min(batch.budget.hisr_tasks, len(batch.task_ids))} task groups")
+    batch.cache["hisr"] = args, [hisr.summarize(t) for t in trajs], data
+    return batch.cache["hisr"]
+
+
+def hisr_credit(batch: Batch, scale: str) -> tuple[list[Tensor], str]:
+    """HISR's first-iteration advantage with Eq. 7's scale `scale` ("unit" as written, "sprm"
+    the SPRM's L1 mass kept): hisr.compute_advantages on the scored groups; the steps of the
+    groups HISR did not score get NaN (left out of every figure)."""
+    args, summaries, data = hisr_scored(batch)
+    advantages, _ = hisr.compute_advantages(replace(args, him_scale=scale), summaries)
+    scored = iter(advantages)
+    return [torch.as_tensor(next(scored), dtype=torch.float64) if k < batch.budget.hisr_tasks
+            else torch.full((len(t["steps"]),), float("nan"))
+            for t, k in zip(batch.trajs, batch.task_index)], data
 
 
 def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
-    """Eq. 1 of every step of the batch under the PRM after DPO_STEPS DPO steps (istar.py's tiny
+    """Eq. 1 of every step of the batch under the PRM after budget.dpo_steps DPO steps (istar.py's tiny
     preset; the PRM, its adapter and optimizer as istar.py's main makes them; each step as an
     iteration of main without the policy update: rollout, score_responses of the start and the
     PRM, step_rewards_per_trajectory, prm_update), pi_old the start. Computed once a batch."""
@@ -299,10 +366,10 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
                        args.lora_dropout, targets)
         optimizer = torch.optim.AdamW([p for p in prm.parameters() if p.requires_grad],
                                       lr=args.prm_learning_rate, weight_decay=0.0)
-        for step in range(1, DPO_STEPS + 1):
-            task_ids = task_rng.sample(pool, PROTOCOL_TASKS)
+        for step in range(1, batch.budget.dpo_steps + 1):
+            task_ids = task_rng.sample(pool, batch.budget.dpo_tasks)
             tasks = [t for t in task_ids for _ in range(args.group_size)]
-            groups = [g for g in range(PROTOCOL_TASKS) for _ in range(args.group_size)]
+            groups = [g for g in range(batch.budget.dpo_tasks) for _ in range(args.group_size)]
             trajs = istar.rollout(args, batch.tokenizer, policy, tasks, groups,
                                   args.rollout_temperature)
             rewards, samples = step_rewards(prm, trajs)
@@ -310,7 +377,8 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
             istar.prm_update(args, prm, batch.tokenizer, optimizer, summary, samples,
                              range(len(trajs)), step)
     rewards, _ = step_rewards(prm, batch.trajs)
-    data = (f"{DPO_STEPS} DPO steps, each on {PROTOCOL_TASKS * args.group_size} fresh rollouts of "
+    data = (f"{batch.budget.dpo_steps} DPO steps, each on {batch.budget.dpo_tasks} x "
+            f"{args.group_size} fresh rollouts of "
             "other tasks by the frozen start")
     batch.cache["istar"] = rewards, data
     return rewards, data
@@ -339,6 +407,8 @@ def sspo_search(batch: Batch) -> tuple[sspo.Args, sspo.StateTable, str]:
     if "sspo" in batch.cache:
         return batch.cache["sspo"]
     args = replace(sspo.preset_args("tiny", "household"), seed=batch.args.seed)
+    if batch.budget.search_paths:
+        args.max_paths = batch.budget.search_paths
     policy = sspo.Policy(args, batch.model, batch.tokenizer)
     table, paths, pathless = sspo.StateTable(), 0, 0
     with torch.random.fork_rng():
@@ -421,6 +491,8 @@ ESTIMATORS = {
     "proxmo": lambda batch: proxmo_credit(batch, "proxmo"),
     "ppo": lambda batch: spa_first_iteration(batch, "ppo"),
     "spa": lambda batch: spa_first_iteration(batch, "spa"),
+    "hisr": lambda batch: hisr_credit(batch, "unit"),
+    "hisr-sprm": lambda batch: hisr_credit(batch, "sprm"),
     "rloo": rloo_credit,
     "istar": istar_credit,
     "istar-rewards": istar_reward_credit,
@@ -429,6 +501,7 @@ ESTIMATORS = {
 }
 LABELS = {"grpo": "GRPO (proxmo.py)", "gigpo": "GiGPO (proxmo.py)", "proxmo": "ProxMO (proxmo.py)",
           "ppo": "PPO (spa.py)", "spa": "SPA (spa.py)",
+          "hisr": "HISR, unit scale (hisr.py)", "hisr-sprm": "HISR, sprm scale (hisr.py)",
           "rloo": "RLOO (istar.py)", "istar": "iStar (istar.py)",
           "istar-rewards": "iStar step rewards (istar.py)", "sspo": "3SPO (sspo.py)",
           "sspo-rewards": "3SPO step rewards (sspo.py)"}
@@ -453,7 +526,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 2), 3.6))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 2), 4.0))
     width = 0.8 / len(FIGURES)
     for f, name in enumerate(FIGURES):
         xs = [r + (f - (len(FIGURES) - 1) / 2) * width for r in range(len(rows))]
@@ -464,10 +537,18 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_ylim(0, 1)
     ax.set_ylabel("share of pairs / steps")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, ncol=len(FIGURES), loc="lower center")
+    ax.legend(fontsize=7, ncol=len(FIGURES), loc="upper center", bbox_to_anchor=(0.5, -0.12))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+BUDGET_HELP = {"explore_tasks": "SPA: tasks its progress estimator explores (x 8)",
+               "collect_tasks": "HISR: tasks its reward models' collection plays (x 4)",
+               "hisr_tasks": "HISR: task groups of the batch it scores",
+               "dpo_steps": "iStar: DPO steps of its PRM before it scores the batch",
+               "dpo_tasks": "iStar: tasks of each DPO step's rollouts (x 8)",
+               "search_paths": "3SPO: finished paths of its search per task (0: sspo.py's)"}
 
 
 def main(argv: list[str]) -> list[dict]:
@@ -481,13 +562,21 @@ def main(argv: list[str]) -> list[dict]:
                         help="sampling temperature (default: the training temperature)")
     parser.add_argument("--max-episode-steps", type=int, default=None,
                         help="step limit (default: the training limit)")
+    for name, value in asdict(Budget()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
+                            help=f"{BUDGET_HELP[name]} (default {value})")
     parser.add_argument("--resamples", type=int, default=200, help="bootstrap draws (default 200)")
-    parser.add_argument("--out", default=os.path.join("runs", "benchmark-credit"),
-                        help="where table.md and credit.png go (default runs/benchmark-credit)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "credit"),
+                        help="where table.md and credit.png go (default benchmarks/results/"
+                             "credit)")
     args = parser.parse_args(argv)
-    for flag in ("num_tasks", "group_size", "resamples"):
+    for flag in ("num_tasks", "group_size", "resamples", "explore_tasks", "collect_tasks",
+                 "hisr_tasks", "dpo_tasks"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("dpo_steps", "search_paths"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     if args.num_tasks > len(envs.list_tasks("household", "train")):
         parser.error(f"--num-tasks {args.num_tasks}: the household has fewer training tasks")
     if args.temperature is not None and args.temperature <= 0:
@@ -497,8 +586,9 @@ def main(argv: list[str]) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
 
     began = time.time()
+    budget = Budget(**{name: getattr(args, name) for name in asdict(Budget())})
     batch = collect(args.num_tasks, args.group_size, args.seed, args.temperature,
-                    args.max_episode_steps)
+                    args.max_episode_steps, budget)
     steps = [p for traj in batch.progress for p in traj]
     won = np.mean([t["won"] for t in batch.trajs])
     summary = (f"{args.num_tasks} train tasks x {args.group_size}, temperature "

@@ -68,7 +68,9 @@ def test_a_replayed_expert_game_is_progress_one_at_every_step():
 def test_the_benchmark_runs_at_a_tiny_size(tmp_path):
     result = subprocess.run(
         [sys.executable, "benchmarks/credit.py", "--num-tasks", "3", "--group-size", "3",
-         "--max-episode-steps", "8", "--resamples", "20", "--out", str(tmp_path)],
+         "--max-episode-steps", "8", "--resamples", "20", "--out", str(tmp_path),
+         "--explore-tasks", "2", "--collect-tasks", "3", "--hisr-tasks", "1", "--dpo-steps", "1",
+         "--dpo-tasks", "1", "--search-paths", "1"],
         cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
         timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
