@@ -165,7 +165,6 @@ class Batch:
     args: proxmo.Args
     model: torch.nn.Module
     tokenizer: object
-    policy: proxmo.Policy
     trajs: list[dict]
     tasks: list[int]
     task_ids: list[int]
@@ -220,7 +219,7 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
     torch.use_deterministic_algorithms(True, warn_only=True)  # as the scripts
     model, tokenizer = load_model_and_tokenizer(args.model, seed=seed)
     model.requires_grad_(False)
-    policy = proxmo.Policy(args, model, tokenizer)
+    policy = proxmo.Policy(args, model, tokenizer)  # the harness every script shares
     task_ids = random.Random(seed).sample(envs.list_tasks("household", "train"), num_tasks)
     tasks = [t for t in task_ids for _ in range(group_size)]
     groups = [k for k in range(num_tasks) for _ in range(group_size)]
@@ -234,7 +233,7 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
         for t, state in enumerate(states):
             by_state[groups[i], state].append((i, t))
     same_state = [(k, rows) for (k, _), rows in by_state.items() if len(rows) > 1]
-    return Batch(args, model, tokenizer, policy, trajs, tasks, task_ids, groups, progress,
+    return Batch(args, model, tokenizer, trajs, tasks, task_ids, groups, progress,
                  same_state, budget or Budget())
 
 
@@ -278,8 +277,9 @@ def spa_first_iteration(batch: Batch, advantage: str) -> tuple[list[Tensor], str
             spa.train_progress_estimator(args, pe, head, batch.tokenizer, explored,
                                          random.Random(args.seed + 3))
         spa.score_progress(args, pe, head, batch.tokenizer, trajs)
-        data = (f"own exploration, {batch.budget.explore_tasks} tasks x {args.explore_rollouts} (spa.py: "
-                f"{args.explore_num_tasks} x {args.explore_rollouts}); V = 0 (iteration 1)")
+        data = (f"own exploration, {batch.budget.explore_tasks} tasks x {args.explore_rollouts} "
+                f"(spa.py: {args.explore_num_tasks} x {args.explore_rollouts}); V = 0 "
+                "(iteration 1)")
     advantages, _ = spa.compute_advantages(args, [spa.summarize(t) for t in trajs])
     return [torch.tensor(a, dtype=torch.float64) for a in advantages], data
 
@@ -338,8 +338,8 @@ def hisr_credit(batch: Batch, scale: str) -> tuple[list[Tensor], str]:
 
 
 def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
-    """Eq. 1 of every step of the batch under the PRM after budget.dpo_steps DPO steps (istar.py's tiny
-    preset; the PRM, its adapter and optimizer as istar.py's main makes them; each step as an
+    """Eq. 1 of every step of the batch under the PRM after budget.dpo_steps DPO steps (istar.py's
+    tiny preset; the PRM, its adapter and optimizer as istar.py's main makes them; each step as an
     iteration of main without the policy update: rollout, score_responses of the start and the
     PRM, step_rewards_per_trajectory, prm_update), pi_old the start. Computed once a batch."""
     if "istar" in batch.cache:
