@@ -344,7 +344,8 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
     PRM, step_rewards_per_trajectory, prm_update), pi_old the start. Computed once a batch."""
     if "istar" in batch.cache:
         return batch.cache["istar"]
-    args = replace(istar.preset_args("tiny", "household"), seed=batch.args.seed)
+    args = replace(istar.preset_args("tiny", "household"), seed=batch.args.seed,
+                   rollout_temperature=batch.args.rollout_temperature)
     targets = args.lora_target_modules
     targets = targets if targets == "all-linear" else targets.split(",")
     policy = istar.Policy(args, batch.model, batch.tokenizer)
@@ -431,11 +432,18 @@ def sspo_search(batch: Batch) -> tuple[sspo.Args, sspo.StateTable, str]:
     return batch.cache["sspo"]
 
 
-def sspo_step_rewards(batch: Batch) -> tuple[list[list[float]], list[list[str]], str]:
-    """Eq. 2's step reward of every step of the batch from the searched counts (final t), as
-    search_round rewards a child (a "Nothing happens." keeps the state's key; success and
-    terminal = the step won; valid = well formed), and the key of each step's state."""
-    args, table, data = sspo_search(batch)
+def sspo_step_rewards(batch: Batch, searched: bool = True) -> tuple[list[list[float]],
+                                                                    list[list[str]], str]:
+    """Eq. 2's step reward of every step of the batch, as search_round rewards a child (a
+    "Nothing happens." keeps the state's key; success and terminal = the step won; valid = well
+    formed), and the key of each step's state. searched: from the counts (and final t) of the
+    whole search on these very tasks, which no update of 3SPO sees; else from the empty table of
+    3SPO's first round."""
+    if searched:
+        args, table, data = sspo_search(batch)
+    else:
+        args = replace(sspo.preset_args("tiny", "household"), seed=batch.args.seed)
+        table, data = sspo.StateTable(), "the batch; an empty state table (the first round)"
     rewards, sources = [], []
     for task, traj in zip(batch.tasks, batch.trajs):
         key = sspo.state_key(str(task), traj["steps"][0]["state"],
@@ -465,11 +473,11 @@ def sspo_reward_credit(batch: Batch) -> tuple[list[Tensor], str]:
     return [torch.tensor(r, dtype=torch.float64) for r in rewards], data
 
 
-def sspo_credit(batch: Batch) -> tuple[list[Tensor], str]:
+def sspo_credit(batch: Batch, searched: bool = True) -> tuple[list[Tensor], str]:
     """3SPO's advantage (Eq. 4): group_advantages of the step rewards of the batch's steps taken
     from one state key within one task group (3SPO's children of a state); 0 for a state left
     by one step only (3SPO trains no group of one)."""
-    rewards, sources, data = sspo_step_rewards(batch)
+    rewards, sources, data = sspo_step_rewards(batch, searched)
     children: dict = defaultdict(list)
     for i, keys in enumerate(sources):
         for t, key in enumerate(keys):
@@ -485,7 +493,15 @@ def sspo_credit(batch: Batch) -> tuple[list[Tensor], str]:
     return credit, data + "; children: a group's steps from one state"
 
 
+def admissible_credit(batch: Batch) -> tuple[list[Tensor], str]:
+    """A reference, no method: 1 for an admissible step, 0 otherwise. An inadmissible step never
+    makes progress, so any reward for admissible or new-text steps ranks this well."""
+    credit = [torch.tensor([float(s["valid"]) for s in t["steps"]]) for t in batch.trajs]
+    return credit, "the batch"
+
+
 ESTIMATORS = {
+    "admissible": admissible_credit,
     "grpo": lambda batch: proxmo_credit(batch, "grpo"),
     "gigpo": lambda batch: proxmo_credit(batch, "gigpo"),
     "proxmo": lambda batch: proxmo_credit(batch, "proxmo"),
@@ -496,15 +512,18 @@ ESTIMATORS = {
     "rloo": rloo_credit,
     "istar": istar_credit,
     "istar-rewards": istar_reward_credit,
+    "sspo-first": lambda batch: sspo_credit(batch, searched=False),
     "sspo": sspo_credit,
     "sspo-rewards": sspo_reward_credit,
 }
-LABELS = {"grpo": "GRPO (proxmo.py)", "gigpo": "GiGPO (proxmo.py)", "proxmo": "ProxMO (proxmo.py)",
+LABELS = {"admissible": "admissible steps only (reference)", "grpo": "GRPO (proxmo.py)",
+          "gigpo": "GiGPO (proxmo.py)", "proxmo": "ProxMO (proxmo.py)",
           "ppo": "PPO (spa.py)", "spa": "SPA (spa.py)",
           "hisr": "HISR, unit scale (hisr.py)", "hisr-sprm": "HISR, sprm scale (hisr.py)",
           "rloo": "RLOO (istar.py)", "istar": "iStar (istar.py)",
-          "istar-rewards": "iStar step rewards (istar.py)", "sspo": "3SPO (sspo.py)",
-          "sspo-rewards": "3SPO step rewards (sspo.py)"}
+          "istar-rewards": "iStar step rewards (istar.py)",
+          "sspo-first": "3SPO, first round (sspo.py)", "sspo": "3SPO, searched counts (sspo.py)",
+          "sspo-rewards": "3SPO step rewards, searched counts (sspo.py)"}
 
 
 # ---- 4. Table and picture -----------------------------------------------------------------------
@@ -594,7 +613,8 @@ def main(argv: list[str]) -> list[dict]:
     summary = (f"{args.num_tasks} train tasks x {args.group_size}, temperature "
                f"{batch.args.rollout_temperature}, seed {args.seed}: {len(batch.trajs)} "
                f"episodes, success {won:.3f}, {len(steps)} steps (progress > 0: "
-               f"{np.mean(np.array(steps) > 0):.3f}), {len(batch.same_state)} states with more "
+               f"{np.mean(np.array(steps) > 0):.3f}, so credit <= 0 everywhere agrees in sign "
+               f"{np.mean(np.array(steps) <= 0):.3f}), {len(batch.same_state)} states with more "
                f"than one step")
     print(f"{summary} [{time.time() - began:.0f}s]", flush=True)
     rows = []

@@ -86,18 +86,30 @@ def training_curve(run_path: str, tag: str = "rollout/success") -> list[float]:
     return [e.value for e in sorted(events.Scalars(tag), key=lambda e: e.step)]
 
 
-def make_record(summary_file: str, flags: list[str]) -> dict:
+def make_record(summary_file: str, script: str, estimator: str, seed: int, split: str,
+                eval_num_tasks: int, flags: list[str]) -> dict:
     """What the tables read of a finished run: its evaluations, training success per iteration
-    and minutes (from its config written to its summary written: model loading to the end)."""
+    and minutes (from its config written, after the model loaded, to its summary written). The
+    run's config.json must show the run asked for: a run directory is never taken on trust."""
     run_path = os.path.dirname(summary_file)
     with open(summary_file) as f:
         summary = json.load(f)
     with open(os.path.join(run_path, "config.json")) as f:
-        command = json.load(f)["command"]
+        config = json.load(f)
+    ran = config["args"]
+    wanted = {"advantage": estimator, "seed": seed, "eval_splits": [split],
+              "eval_num_tasks": eval_num_tasks}
+    for key, value in wanted.items():
+        if ran.get(key) != value:
+            raise SystemExit(f"{run_path} ran {key} {ran.get(key)!r}, not {value!r}")
+    if os.path.basename(script) not in config["command"]:
+        raise SystemExit(f"{run_path} is a run of {config['command']!r}, not of {script}")
     seconds = os.path.getmtime(summary_file) - os.path.getmtime(os.path.join(run_path,
                                                                               "config.json"))
-    return {"flags": flags, "command": command, "minutes": seconds / 60,
-            "evaluations": summary["evaluations"], "train_success": training_curve(run_path)}
+    return {"script": script, "estimator": estimator, "seed": seed, "split": split,
+            "eval_num_tasks": eval_num_tasks, "flags": flags, "command": config["command"],
+            "minutes": seconds / 60, "evaluations": summary["evaluations"],
+            "train_success": training_curve(run_path)}
 
 
 def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: int,
@@ -108,9 +120,12 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
     if os.path.isfile(record_file):
         with open(record_file) as f:
             record = json.load(f)
-        if record["flags"] != flags:
-            raise SystemExit(f"{record_file} was run with flags {record['flags']}, not {flags}: "
-                             "choose another --results for other flags")
+        wanted = {"script": script, "split": split, "eval_num_tasks": eval_num_tasks,
+                  "flags": flags}
+        for key, value in wanted.items():
+            if record.get(key) != value:
+                raise SystemExit(f"{record_file} was run with {key} {record.get(key)!r}, not "
+                                 f"{value!r}: choose another --results")
         print(f"  {run_name(estimator, seed)}: recorded", flush=True)
         return record
     run_dir = os.path.join(runs_dir, run_name(estimator, seed))
@@ -134,7 +149,7 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
                 tail = f.read()[-2000:]
             raise SystemExit(f"run failed (exit {result.returncode}), log {log_file}:\n{tail}")
         summaries = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")))
-    record = make_record(summaries[-1], flags)
+    record = make_record(summaries[-1], script, estimator, seed, split, eval_num_tasks, flags)
     os.makedirs(records_dir, exist_ok=True)
     with open(record_file, "w") as f:
         json.dump(record, f, indent=1)
@@ -332,7 +347,8 @@ def main(argv: list[str]) -> str:
     if pairs:
         markdown += "\n\n" + paired_table(pairs)
     with open(os.path.join(records_dir, "table.md"), "w") as f:
-        f.write(f"flags: {' '.join(flags)}; seeds {args.seeds}; split {args.split}\n\n"
+        seeds = sorted({seed for runs in results.values() for seed in runs})
+        f.write(f"flags: {' '.join(flags)}; seeds {seeds}; split {args.split}\n\n"
                 f"{markdown}\n")
     plot(args.script, args.split, results, pairs, os.path.join(records_dir, "learning.png"))
     print(markdown)

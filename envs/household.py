@@ -483,7 +483,9 @@ class HouseholdEnv:
             if here == r:
                 return f"open {r}"
             return f"go to {r}"
-        return "look"  # everything seen: cannot happen for generated tasks
+        if self.holding and here:  # everything seen, a wrong object in hand at a closed receptacle
+            return f"open {here}"
+        return "look"  # everything seen, hands empty: cannot happen for generated tasks
 
 
 def steps_to_go(game: HouseholdEnv, cap: int = 60) -> int:

@@ -9,12 +9,13 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from credit import (ESTIMATORS, FIGURES, LABELS, credit_auc, figures_with_se,  # noqa: E402
-                    label_progress, sign_agreement)
+from credit import (ESTIMATORS, FIGURES, LABELS, Batch, credit_auc,  # noqa: E402
+                    figures_with_se, label_progress, sign_agreement, task_counts)
 from envs.household import HouseholdEnv, generate_task  # noqa: E402
 
 
@@ -82,3 +83,19 @@ def test_the_benchmark_runs_at_a_tiny_size(tmp_path):
         for cell in cells:
             value, se = cell.split(" +- ")
             assert value == "nan" or 0 <= float(value) <= 1
+
+
+def test_task_counts_of_a_hand_built_batch():
+    # task 0: a won and a lost episode whose first steps leave one state; task 1: one step that
+    # the estimator did not score (NaN), left out
+    batch = Batch(args=None, model=None, tokenizer=None,
+                  trajs=[{"won": True}, {"won": False}, {"won": False}], tasks=[7, 7, 9],
+                  task_ids=[7, 9], task_index=[0, 0, 1], progress=[[1, 0], [0, 1], [-1]],
+                  same_state=[(0, [(0, 0), (1, 0)])])
+    credit = [torch.tensor([2.0, 1.0]), torch.tensor([-1.0, 3.0]), torch.tensor([float("nan")])]
+    counts = task_counts(batch, credit)
+    # same state: 2 (progress 1) > -1 (progress 0); signs: 3 of 4 agree (step 2 of episode 0
+    # has credit 1 and no progress); within: 2 > 1 and 3 > -1; within failed: episode 1 only
+    assert counts[0].tolist() == [[1, 1], [3, 4], [2, 2], [1, 1]]
+    assert counts[1].tolist() == [[0, 0], [0, 0], [0, 0], [0, 0]]
+    assert [v for v, _ in figures_with_se(counts)] == [1.0, 0.75, 1.0, 1.0]

@@ -96,6 +96,8 @@ def test_the_protocol_runs_at_a_tiny_size_and_resumes_from_its_records(tmp_path)
                                                 "2", "--group-size", "2",
                                                 "--max-episode-steps", "5"]
     assert len(record["train_success"]) == 1 and record["minutes"] > 0
+    assert (record["script"], record["split"], record["eval_num_tasks"]) == ("proxmo.py",
+                                                                            "valid", 4)
     assert " ".join(PROTOCOL_FLAGS + ["--iterations", "1"]) in (records / "table.md").read_text()
     logs = sorted(f for _, _, files in os.walk(tmp_path / "runs") for f in files
                   if f.endswith(".log"))
@@ -109,6 +111,10 @@ def test_the_protocol_runs_at_a_tiny_size_and_resumes_from_its_records(tmp_path)
     assert "grpo-seed2: finished in" in again.stdout and "--advantage" not in again.stdout
     assert again.stdout.split("| script |")[1] == result.stdout.split("| script |")[1]
     assert json.loads((records / "grpo-seed2.json").read_text())["flags"] == record["flags"]
+    # A record of another evaluation is refused, not reused.
+    (records / "proxmo-seed1.json").write_text(json.dumps({**record, "split": "test"}))
+    refused = _protocol(tmp_path)
+    assert refused.returncode != 0 and "was run with split 'test', not 'valid'" in refused.stderr
     os.remove(records / "proxmo-seed1.json")
     only = _protocol(tmp_path, "--finished-only", "--seeds", "1", "2", "3")
     assert only.returncode == 0, only.stdout[-2000:] + only.stderr[-2000:]

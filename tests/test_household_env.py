@@ -167,7 +167,7 @@ def test_steps_to_go_counts_the_experts_remaining_steps():
     assert steps_to_go(game) == 4                 # countertop 1 is seen: open, take, go, move
     game.step("open fridge 1")
     game.step("take apple 1 from fridge 1")
-    assert game.steps == 6 and steps_to_go(game) == 2   # two more steps than the limit allows
+    assert game.steps == 6 and steps_to_go(game) == 2   # the two steps the limit has left
     assert game.snapshot()["steps"] == 6 and game.max_steps == 8
     game.step("go to diningtable 1")
     _, reward, done, _ = game.step("move apple 1 to diningtable 1")
@@ -184,6 +184,24 @@ def test_steps_to_go_leaves_the_game_as_it_was():
     assert game == before                         # every field, the step counter included
     game.step("open fridge 1")                    # a lucky look: take, go, move remain, +3
     assert steps_to_go(game) == 3
+
+
+def test_steps_to_go_looks_past_the_step_limit():
+    game = _small_kitchen()                       # max_steps 8
+    for command in ["go to diningtable 1", "look", "inventory", "look", "inventory"]:
+        game.step(command)
+    assert game.steps == 5 and steps_to_go(game) == 6   # 11 steps in all: past the limit
+    assert game.max_steps == 8 and game.steps == 5
+
+
+def test_a_wrong_object_at_a_closed_receptacle_is_put_down_when_all_is_seen():
+    game = _small_kitchen()
+    for command in ["go to diningtable 1", "go to countertop 1", "take mug 1 from countertop 1",
+                    "go to fridge 1", "open fridge 1"]:
+        game.step(command)
+    assert steps_to_go(game) == 4                 # move the mug here, take, go, move
+    game.step("close fridge 1")                   # everything seen, the mug still in hand
+    assert game.expert_action() == "open fridge 1" and steps_to_go(game) == 5
 
 
 def test_every_expert_step_is_progress_one():
