@@ -19,18 +19,22 @@ Where this script chooses, or departs from the paper (no code was released; spec
   * Segmentation by environment events instead of GPT-4o: a turn whose feedback is a milestone
     (You pick up / move / put / clean / heat / cool / turn on) or the first sighting of the goal's
     object ends a segment; `--segmenter turns` (the "w/o SPR" ablation) or `whole`.
-  * Collection filter: a trajectory with a malformed reply, or with an action that gets the same
-    feedback three turns in a row (a loop), is dropped. A tenth of the collected tasks
-    (--aux-heldout) is held out to report the SPRM's fit beside a constant predictor's and the
-    hindsight model's NLL beside the start policy's.
+  * Collection filter: a trajectory with a malformed reply (no action, or text repeating itself)
+    is dropped; the paper keeps 92.7 % of its ALFWorld rollouts, so not failures that loop
+    (`--collect-filter loops`, the old reading, also drops an action that gets the same feedback
+    three turns in a row). A tenth of the collected tasks (--aux-heldout) is held out, every
+    rollout unfiltered as RL sees them, to report the SPRM's fit (AUC won vs lost, MSE beside a
+    constant's) and the hindsight model's NLL beside the start policy's.
   * SPRM: head W2 SiLU(W1 h), W1 H x H and W2 H x 1 without biases, W2 zero at the start, on the
     final-norm hidden state at the token closing the segment's last reply; Eq. 3 averaged over a
     batch. Hindsight model: Eq. 4 as the token mean of a batch. Both are full copies of the start
     policy, every weight trained (the paper's; --no-aux-full-params: a LoRA adapter on each copy).
   * Their inputs: one chat of the whole episode ([task and first observation], reply, "Observation:
     ...", ...), not the step prompts; replies are stripped of outer white space. The cloze input
-    shows every turn with reply k replaced by "___", every observation (the last one too), then
-    the outcome; its target is the exact reply token ids the policy sampled. With the tiny
+    shows every turn with reply k replaced by "___", every observation (the last one too), the
+    admissible actions of turn k (what the policy's prompt listed; Eq. 5 assumes the hindsight
+    model knows what the policy knew; --no-hindsight-admissible leaves them out), then the
+    outcome; its target is the exact reply token ids the policy sampled. With the tiny
     models the fixed texts are made of words their vocabulary knows ("?" for the hidden reply).
     The copies train in float32 (bf16 would round the paper's 1e-6 steps away).
     Longer than --aux-max-tokens: an SPRM transcript is left out of training (counted) and read in
@@ -38,11 +42,19 @@ Where this script chooses, or departs from the paper (no code was released; spec
     cloze input drops the turns farthest from k, alternately after and before it (counted).
   * Eq. 5's denominator is the rollout policy (PPO's old log-probs, at the rollout temperature);
     the hindsight model is scored at temperature 1. Eq. 7's norm is L1 (the paper's case studies
-    match it, L2 does not); --him-scale sprm keeps the SPRM's L1 mass instead of 1. A segment's
-    modulated reward lands on its last turn (--him-placement uniform spreads it). g_t is the
-    environment's admissibility flag. "w/o HIM" (--no-use-hindsight) keeps Eq. 7 with z = 1.
-  * Online RL: every iteration rolls out the current policy and scores the new trajectories with
-    the frozen reward models (the paper does not say; its limitations section implies it).
+    match it, L2 does not), times the SPRM's L1 mass (--him-scale sprm, default), so that a
+    trajectory's rewards keep its predicted outcome (App. C; every case study is a win where the
+    two agree); `--him-scale unit`, Eq. 7 as written, gives every trajectory mass 1, won or lost.
+    A segment's modulated reward lands on its last turn (--him-placement uniform spreads it).
+    "w/o HIM" (--no-use-hindsight) keeps Eq. 7 with z = 1.
+  * Grounding as a cost by default, alpha * (g_t - 1), g_t the environment's admissibility flag:
+    0 for an admissible action, -alpha for another. It differs from Eq. 8 by a constant per
+    turn; Eq. 8 as written pays for length online (HISR went to 0 % success, every episode at the
+    step limit, docs/hisr.md): `--grounding-form eq8`.
+  * Online RL (default): every iteration rolls out the current policy and scores the new
+    trajectories with the frozen reward models (the paper does not say; its limitations section
+    implies it). `--rl-data explore` trains on the collected rollouts, one pass in order, as
+    SPA's released code does; `--advantage ppo` then trains on the same rollouts.
   * PPO as spa.py's: token-level clipped ratio, every token of a reply gets its step's advantage,
     advantages whitened over the batch (population variance), returns un-whitened, V after the
     last step 0; the KL to the reference (adapter disabled) is k1 summed over a reply's tokens
@@ -59,10 +71,9 @@ Where this script chooses, or departs from the paper (no code was released; spec
     epochs of 64-step mini-batches and the paper's learning rates, but the harness's BC (LoRA at
     1e-4, batch 16, merged; the paper: every weight at 1.5e-5, batch 32). The paper's backbone
     is Llama-3.2-3B-Instruct; pass it with --model.
-  * With --segmenter whole (and --him-scale unit, Eq. 7 as written) every trajectory gets one
-    modulated reward of sign(r^) = +-1, and an SPRM regressed onto 0/1 outcomes is rarely
-    negative: the reward then says little about the outcome. The run prints a warning;
-    credit/him_sum_won and _lost show how far it holds with events too.
+  * With --segmenter whole and --him-scale unit every trajectory gets one modulated reward of
+    sign(r^) = +-1, whatever its outcome: the run prints a warning; credit/him_sum_won and _lost
+    show how far it holds with events too.
   * Prompts, rollouts, evaluation and behavior cloning are this project's harness (the same as
     proxmo.py); evaluation samples at temperature 0.4 like every script here (the paper decodes
     greedily: --eval-temperature 0). With `--model tiny` the shipped start is already the cloned
@@ -78,6 +89,7 @@ Run:
     python hisr.py --advantage ppo          # the baseline: PPO on the sparse outcome
     python hisr.py --no-use-hindsight       # the ablations: w/o HIM, --segmenter turns (w/o
                                             # SPR), both, --grounding-weight 0 (w/o AGR)
+    python hisr.py --rl-data explore --collect-num-tasks 64 --collect-rollouts 4  # offline RL
     python hisr.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the real run
 
 Sections: 1 arguments, 2 prompts and parsing, 3 HISR rewards and advantages, 4 segments and the
@@ -182,8 +194,12 @@ class Args:
     """alpha of Eq. 8, weight of the grounding flag; 0 = the "w/o AGR" ablation"""
     him_placement: Literal["end", "uniform"] = "end"
     """where a segment's modulated reward lands: its last turn, or spread evenly over its turns"""
-    him_scale: Literal["unit", "sprm"] = "unit"
-    """unit: Eq. 7 as written (L1 mass 1 per trajectory); sprm: times the SPRM's L1 mass"""
+    him_scale: Literal["sprm", "unit"] = "sprm"
+    """sprm: Eq. 7 times the SPRM's L1 mass (a trajectory keeps its predicted outcome); unit:
+    Eq. 7 as written (L1 mass 1 per trajectory, won or lost)"""
+    grounding_form: Literal["cost", "eq8"] = "cost"
+    """cost: alpha * (g_t - 1), 0 for an admissible action; eq8: alpha * g_t as written (online,
+    it pays for length)"""
     gamma: float = 0.99
     """discount of GAE"""
     gae_lambda: float = 0.95
@@ -209,6 +225,13 @@ class Args:
     """N, rollouts per collected task [preset: tiny 4 | real 10 (the paper's)]"""
     collect_temperature: float = 0.7
     """sampling temperature of the collection rollouts (the paper's)"""
+    collect_filter: Literal["well-formed", "loops"] = "well-formed"
+    """which collected trajectories the reward models train on: well-formed (every reply has an
+    action and does not repeat itself) or loops (also no action that gets the same feedback 3
+    turns in a row)"""
+    rl_data: Literal["online", "explore"] = "online"
+    """online: every iteration rolls out the current policy; explore: RL on the collected
+    rollouts, one pass in order (SPA's released code)"""
     reward_models: str | None = None
     """directory of trained reward models (a run's reward_models/): skips collection and their
     training"""
@@ -232,7 +255,9 @@ class Args:
     """longest transcript or cloze input the reward models read [preset: tiny 2048 (the tiny
     model's positions) | real 8192]"""
     aux_heldout: float = 0.1
-    """share of the collected tasks held out to report the reward models' fit (not trained on)"""
+    """share of the collected tasks held out, unfiltered, to report the reward models' fit"""
+    hindsight_admissible: bool = True
+    """the cloze input lists the hidden turn's admissible actions, as the policy's prompt does"""
 
     # RL
     iterations: int = 8
@@ -408,6 +433,8 @@ def validate_args(args: Args) -> list[str]:
          f"--reward-models {a.reward_models}: no such directory"),
         (a.reward_models is None or a.advantage == "hisr",
          "--reward-models is read by --advantage hisr only"),
+        (a.rl_data == "online" or a.reward_models is None,
+         "--rl-data explore trains on the collected rollouts: drop --reward-models"),
         (a.sprm_epochs >= 1, "--sprm-epochs must be >= 1"),
         (a.sprm_learning_rate > 0, "--sprm-learning-rate must be > 0"),
         (a.sprm_batch_size >= 1, "--sprm-batch-size must be >= 1"),
@@ -742,6 +769,16 @@ def fused_rewards(him: Tensor, grounded: Tensor, alpha: float = 0.3, step_kl: Te
     return rewards
 
 
+def grounding_terms(grounded: Tensor, form: str = "cost") -> Tensor:
+    """(m,) admissibility flags -> (m,) float64 grounding terms before the weight alpha: "eq8"
+    g_k as written in Eq. 8, "cost" g_k - 1 (0 admissible, -1 not: an admissible turn earns
+    nothing, so a longer episode earns no more). [1, 0, 1] -> eq8 [1, 0, 1], cost [0, -1, 0]."""
+    if form not in ("cost", "eq8"):
+        raise ValueError(f"form must be cost or eq8, got {form!r}")
+    grounded = grounded.double()
+    return grounded - 1 if form == "cost" else grounded
+
+
 def gae(rewards: Tensor, values: Tensor, gamma: float = 0.99, lam: float = 0.95,
         last_value: float = 0.0) -> tuple[Tensor, Tensor]:
     """(advantages, returns) of one trajectory, (m,) -> (m,) x 2 (Eq. 9's delta): delta_k = r_k +
@@ -832,21 +869,23 @@ def hisr_advantages(batch: list[dict], *, beta: float = 0.3, alpha: float = 0.3,
 def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list]:
     """(advantages, returns) per step of every trajectory of a batch (summaries with the segment
     ids and rewards, and per step "old_logprobs", "hind_logprobs", "valid", "value", "step_kl"):
-    HISR's fused reward, or with --advantage ppo GAE over the sparse outcome minus the KL
-    penalty."""
+    HISR's fused reward with the --grounding-form term, or with --advantage ppo GAE over the
+    sparse outcome minus the KL penalty."""
     if args.advantage == "ppo":
         advantages, returns = [], []
         for t in trajectories:
             step_kl = torch.tensor([s["step_kl"] for s in t["steps"]], dtype=torch.float64)
             rewards = torch.tensor(t["rewards"], dtype=torch.float64) - args.kl_coef * step_kl
-            adv, ret = gae(rewards, torch.tensor([s["value"] for s in t["steps"]]), args.gamma,
-                           args.gae_lambda)
+            values = torch.tensor([s["value"] for s in t["steps"]], dtype=torch.float64)
+            adv, ret = gae(rewards, values, args.gamma, args.gae_lambda)
             advantages.append(adv)
             returns.append(ret)
         if args.normalize_advantages:
             advantages = whiten_pooled(advantages)
         return advantages, returns
     batch = [advantage_inputs(t) for t in trajectories]
+    for inputs in batch:
+        inputs["grounded"] = grounding_terms(inputs["grounded"], args.grounding_form)
     return hisr_advantages(batch, beta=args.importance_beta, alpha=args.grounding_weight,
                            gamma=args.gamma, lam=args.gae_lambda, placement=args.him_placement,
                            scale=args.him_scale, use_hindsight=args.use_hindsight,
@@ -912,6 +951,9 @@ CLOZE_TEXTS = {
              "The episode ended with reward {reward:.1f}. Write the hidden reply."),
     "tiny": ("", "?", "Your task: {reward:.1f}. Give exactly the reply at ?."),
 }
+
+
+CLOZE_ADMISSIBLE = "Admissible actions: {actions}"  # the policy's words (PROMPT_NOW)
 
 
 def final_hidden_states(model, input_ids: Tensor, attention_mask: Tensor,
@@ -1037,15 +1079,21 @@ def segment_scores(sprm, head, sequences: list[tuple[list[int], list[int], list[
 
 
 def cloze_messages(traj: dict, replies: list[str], k: int, shown: range,
-                   texts: tuple[str, str, str] = CLOZE_TEXTS["real"]) -> list[dict]:
+                   texts: tuple[str, str, str] = CLOZE_TEXTS["real"],
+                   admissible: bool = True) -> list[dict]:
     """The hindsight model's input for turn k (Eq. 4): the instruction, the task and first
     observation, the turns in `shown` with their replies (decoded, stripped) and observations
     (the last one included) and reply k hidden, then the outcome and the request (texts: see
-    CLOZE_TEXTS); the generation prompt follows."""
+    CLOZE_TEXTS); the generation prompt follows. With admissible, the message before the hidden
+    reply ends with turn k's admissible actions (steps[k]["admissible"]), as the policy's prompt
+    listed them."""
     instruction, hidden, ask = texts
     steps = traj["steps"]
     messages = [first_message(traj, instruction)]
     for t in shown:
+        if t == k and admissible:
+            actions = CLOZE_ADMISSIBLE.format(actions=", ".join(steps[k]["admissible"]))
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + "\n" + actions}
         messages.append({"role": "assistant", "content": hidden if t == k else replies[t]})
         observation = OBSERVATION.format(obs=steps[t]["next_state"])
         messages.append({"role": "user", "content": observation})
@@ -1061,7 +1109,8 @@ def encode_cloze(args: Args, tokenizer, traj: dict, replies: list[str],
     m, target = len(traj["steps"]), len(traj["steps"][k]["response_ids"])
     low, high, after = 0, m - 1, True
     while True:
-        messages = cloze_messages(traj, replies, k, range(low, high + 1), cloze_texts(args))
+        messages = cloze_messages(traj, replies, k, range(low, high + 1), cloze_texts(args),
+                                  args.hindsight_admissible)
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) + target <= args.aux_max_tokens or low == high == k:
@@ -1071,6 +1120,9 @@ def encode_cloze(args: Args, tokenizer, traj: dict, replies: list[str],
         else:
             low += 1
         after = not after
+
+
+COLLECTED_FILE = "collected_rollouts.pt"  # in the run directory: what --rl-data explore trains on
 
 
 def collect(args: Args, policy: Policy, tasks: list) -> list[dict]:
@@ -1090,15 +1142,42 @@ def collect(args: Args, policy: Policy, tasks: list) -> list[dict]:
     return trajs
 
 
-def keep_for_training(traj: dict, repeats: int = 3) -> bool:
-    """The collection filter: no malformed reply, and no executed action that gets the same
-    feedback `repeats` turns in a row (a loop)."""
+# A reply that degenerates: a piece of 4+ characters said 3+ times in a row.
+REPEATED_TEXT_RE = re.compile(r"(.{4,}?)\1{2,}", re.DOTALL)
+
+
+def repeats_itself(reply: str) -> bool:
+    """Whether a reply degenerates into repeated text inside itself (REPEATED_TEXT_RE, after
+    white space is collapsed): "look look look look" -> True; "<action>go to desk 1</action>"
+    -> False."""
+    return REPEATED_TEXT_RE.search(" ".join(reply.split())) is not None
+
+
+def keep_for_training(traj: dict, replies: list[str], loops: bool = False,
+                      repeats: int = 3) -> bool:
+    """The collection filter (the paper's "format errors or repetition"): every reply well formed
+    (an action) and none repeating itself (replies: the decoded replies, in turn order). With
+    loops, also no executed action that gets the same feedback `repeats` turns in a row (the old
+    reading, --collect-filter loops: it dropped 35-42 % of the collection, mostly failures)."""
     steps = traj["steps"]
-    if not all(s["well_formed"] for s in steps):
+    if not all(s["well_formed"] for s in steps) or any(repeats_itself(r) for r in replies):
         return False
+    if not loops:
+        return True
     pairs = [(s["action"], s["next_state"]) for s in steps]
     return not any(len(set(pairs[k:k + repeats])) == 1
                    for k in range(len(pairs) - repeats + 1))
+
+
+def outcome_auc(predicted: Tensor, won: Tensor) -> float:
+    """How well predicted outcomes (B,) separate wins from losses (B,) bool: the share of (won,
+    lost) pairs where the won one is predicted higher, ties half; nan without both outcomes.
+    [0.9, 0.2, 0.5] with won [True, False, False] -> 1.0."""
+    wins, losses = predicted[won.bool()].double(), predicted[~won.bool()].double()
+    if len(wins) == 0 or len(losses) == 0:
+        return float("nan")
+    diff = wins[:, None] - losses[None, :]
+    return ((diff > 0).double() + 0.5 * (diff == 0).double()).mean().item()
 
 
 def split_heldout(trajs: list[dict], share: float, rng: random.Random) -> tuple[list, list]:
@@ -1112,10 +1191,11 @@ def split_heldout(trajs: list[dict], share: float, rng: random.Random) -> tuple[
 
 def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list[int],
                heldout: list[int], rng: random.Random) -> dict:
-    """Eq. 3 over the kept collected trajectories, --sprm-epochs epochs of --sprm-batch-size
-    trajectories (micro-batches of --micro-batch-size); the held-out ones report the fit beside
-    a constant predictor's. A transcript longer than --aux-max-tokens is left out (counted).
-    Trains in place, then freezes."""
+    """Eq. 3 over the trajectories `train` (the kept ones of the training tasks), --sprm-epochs
+    epochs of --sprm-batch-size trajectories (micro-batches of --micro-batch-size); the `heldout`
+    ones (every collected rollout of the held-out tasks, as RL sees them) report the fit: MSE
+    beside a constant predictor's, and the AUC of the predicted outcome for won against lost. A
+    transcript longer than --aux-max-tokens is left out (counted). Trains in place, freezes."""
     encoded = {}
     for i in train + heldout:
         ids, mask, first_turn = encode_transcript(args, tokenizer, trajs[i])
@@ -1166,6 +1246,8 @@ def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list
         constant = torch.full((len(heldout),), outcomes[train].mean().item())
         stats["sprm/heldout_mse"] = sprm_loss(scores, outcomes[heldout]).item()
         stats["sprm/heldout_mse_of_constant"] = ((constant - outcomes[heldout]) ** 2).mean().item()
+        stats["sprm/heldout_auc"] = outcome_auc(torch.stack([s.sum() for s in scores]),
+                                                outcomes[heldout] > 0.5)
     return stats
 
 
@@ -1456,9 +1538,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (raw observation = anchor text), "action" (executed), "next_state" (the
-    observation it got), "valid" (admissible, from the env), "parsed" (the reply had an <action>
-    tag), "well_formed" (see is_well_formed), "label"}]}.
+    None), "state" (raw observation = anchor text), "admissible" (the actions the prompt
+    listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
+    from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
+    "label"}]}.
     seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
     seconds = defaultdict(float) if seconds is None else seconds
     expert = expert_rng is not None
@@ -1471,10 +1554,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     while batch.active():
         active = batch.active()
         start = time.perf_counter()
+        admissible = [games[i].admissible_actions() for i in active]
         prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
-                                 batch.observations[i], games[i].admissible_actions(),
-                                 len(trajs[i]["steps"]) + 1)
-                   for i in active]
+                                 batch.observations[i], admissible[k], len(trajs[i]["steps"]) + 1)
+                   for k, i in enumerate(active)]
         seconds["prompts"] += time.perf_counter() - start
         start = time.perf_counter()
         if expert:
@@ -1503,7 +1586,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             obs, reward, done, info = results[i]
             tr = trajs[i]
             tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
-                                "logprobs": logprobs[k], "state": states[i], "action": commands[k],
+                                "logprobs": logprobs[k], "state": states[i],
+                                "admissible": admissible[k], "action": commands[k],
                                 "next_state": obs, "valid": bool(info["valid"]),
                                 "parsed": has_action[k], "well_formed": well_formed[k],
                                 "label": labels[k]})
@@ -1856,6 +1940,8 @@ def main(args: Args) -> dict:
             errors.append("collection and the reward models' training run in one process: run "
                           "`python hisr.py ... --iterations 0` once, then launch RL with "
                           "--reward-models <its run>/reward_models")
+        if args.rl_data == "explore":
+            errors.append("--rl-data explore runs in one process")
         if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
             errors.append("--backend vllm runs in one process; with several, use --backend hf")
         per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", dist.num_processes))
@@ -1884,6 +1970,10 @@ def main(args: Args) -> dict:
         if state["iteration"] >= args.iterations:
             raise UsageError(f"--resume {args.resume}: the run already did {state['iteration']} "
                              "iterations; pass a larger --iterations to continue it")
+        if args.rl_data == "explore" and not os.path.isfile(os.path.join(run_path,
+                                                                         COLLECTED_FILE)):
+            raise UsageError(f"--resume {args.resume}: no {COLLECTED_FILE} in it (the collected "
+                             "rollouts --rl-data explore trains on)")
         if len(state["streams"]) != dist.num_processes:
             raise UsageError(f"--resume {args.resume}: saved by {len(state['streams'])} "
                              f"processes, resumed by {dist.num_processes}; their random streams "
@@ -1892,10 +1982,19 @@ def main(args: Args) -> dict:
     if args.tasks_per_iteration > len(train_tasks):
         raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
                          f"{len(train_tasks)} training tasks")
+    # The collection (the start policy's rollouts): what the reward models learn from, and with
+    # --rl-data explore what RL trains on, HISR and PPO alike.
+    n_collect = min(args.collect_num_tasks or len(train_tasks), len(train_tasks))
     collect_tasks = []
-    if args.advantage == "hisr" and args.reward_models is None and not args.resume:
-        collect_tasks = random.Random(args.seed + 2).sample(
-            train_tasks, min(args.collect_num_tasks or len(train_tasks), len(train_tasks)))
+    collects = args.rl_data == "explore" or (args.advantage == "hisr"
+                                             and args.reward_models is None)
+    if collects and not args.resume:
+        collect_tasks = random.Random(args.seed + 2).sample(train_tasks, n_collect)
+    batch_size = args.tasks_per_iteration * args.group_size
+    if args.rl_data == "explore" and args.iterations > n_collect * args.collect_rollouts // batch_size:
+        raise UsageError(f"--rl-data explore: {n_collect} tasks x {args.collect_rollouts} "
+                         f"rollouts make {n_collect * args.collect_rollouts // batch_size} "
+                         f"batches of {batch_size}, fewer than --iterations {args.iterations}")
     eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
                   for split in args.eval_splits}
     vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
@@ -2003,45 +2102,60 @@ def main(args: Args) -> dict:
     # Collection and the reward models (Eqs. 2-4), or those saved before. The new adapter is
     # zero, so the policy that collects is the start policy.
     sprm = sprm_head = hindsight = None
+    collected: list[dict] = []
+    t0 = time.time()
+    if args.rl_data == "explore" and args.resume:
+        collected = torch.load(os.path.join(run_path, COLLECTED_FILE), weights_only=True)
+    elif collect_tasks:
+        policy.sync(run_path)
+        collected = collect(args, policy, collect_tasks)
+        if args.rl_data == "explore" and dist.is_main_process:  # what a resume trains on
+            torch.save(collected, os.path.join(run_path, COLLECTED_FILE))
     if args.advantage == "hisr":
         aux_path = os.path.join(run_path, "reward_models")
         if args.resume or args.reward_models:
             sprm, sprm_head, hindsight = load_reward_models(args, aux_start,
                                                             args.reward_models or aux_path)
         else:
-            t0 = time.time()
-            policy.sync(run_path)
-            collected = collect(args, policy, collect_tasks)
-            kept = [t for t in collected if keep_for_training(t)]
-            for t in kept:
+            for t in collected:
                 t["seg_ids"] = trajectory_segments(args, t)
-            if not kept:
-                raise UsageError(f"the collection filter dropped all {len(collected)} collected "
-                                 "trajectories (malformed replies or loops); raise "
-                                 "--collect-num-tasks or --collect-rollouts")
+            replies = [tokenizer.batch_decode([s["response_ids"] for s in t["steps"]],
+                                              skip_special_tokens=True) for t in collected]
+            kept = [keep_for_training(t, r, args.collect_filter == "loops")
+                    for t, r in zip(collected, replies)]
+            # Whole tasks held out, every rollout of them (filtered or not), as RL will see them.
+            tasks_train, heldout = split_heldout(collected, args.aux_heldout,
+                                                 random.Random(args.seed + 3))
+            train = [i for i in tasks_train if kept[i]]
+            if not train:
+                raise UsageError(f"the collection filter (--collect-filter {args.collect_filter}) "
+                                 f"left none of the {len(tasks_train)} collected trajectories of "
+                                 "the training tasks; raise --collect-num-tasks or "
+                                 "--collect-rollouts")
             stats = {"collect/success": float(np.mean([t["won"] for t in collected])),
-                     "collect/kept_share": len(kept) / len(collected),
-                     "collect/kept_success": float(np.mean([t["won"] for t in kept])),
+                     "collect/kept_share": float(np.mean(kept)),
+                     "collect/kept_success": float(np.mean(
+                         [t["won"] for t, k in zip(collected, kept) if k])),
                      "collect/segments_per_trajectory": float(np.mean(
-                         [max(t["seg_ids"]) + 1 for t in kept]))}
-            train, heldout = split_heldout(kept, args.aux_heldout, random.Random(args.seed + 3))
+                         [max(t["seg_ids"]) + 1 for t in collected]))}
             sprm = auxiliary_copy(args, aux_start, targets)
             sprm_head = SegmentRewardHead(model.config.hidden_size).to(device)
-            stats.update(train_sprm(args, sprm, sprm_head, tokenizer, kept, train, heldout,
+            stats.update(train_sprm(args, sprm, sprm_head, tokenizer, collected, train, heldout,
                                     random.Random(args.seed + 4)))
             hindsight = auxiliary_copy(args, aux_start, targets)
-            stats.update(train_hindsight(args, hindsight, aux_start, tokenizer, kept, train,
+            stats.update(train_hindsight(args, hindsight, aux_start, tokenizer, collected, train,
                                          heldout, random.Random(args.seed + 5)))
             stats["aux/seconds"] = time.time() - t0
             print(f"reward models done in {stats['aux/seconds']:.0f}s: collection success "
-                  f"{stats['collect/success']:.3f}, kept {len(kept)} of {len(collected)} "
+                  f"{stats['collect/success']:.3f}, kept {sum(kept)} of {len(collected)} "
                   f"(success {stats['collect/kept_success']:.3f}), "
                   f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
             if "sprm/heldout_mse" in stats and "hindsight/heldout_nll_hindsight" in stats:
-                print(f"  held out: SPRM MSE {stats['sprm/heldout_mse']:.4f} (a constant: "
-                      f"{stats['sprm/heldout_mse_of_constant']:.4f}); hindsight NLL per token "
-                      f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the start policy: "
-                      f"{stats['hindsight/heldout_nll_start_policy']:.4f})")
+                print(f"  held out ({len(heldout)} rollouts, unfiltered): SPRM AUC "
+                      f"{stats['sprm/heldout_auc']:.3f}, MSE {stats['sprm/heldout_mse']:.4f} "
+                      f"(a constant: {stats['sprm/heldout_mse_of_constant']:.4f}); hindsight "
+                      f"NLL per token {stats['hindsight/heldout_nll_hindsight']:.4f} (the "
+                      f"policy: {stats['hindsight/heldout_nll_start_policy']:.4f})")
             log(stats, 0)
             if dist.is_main_process:
                 save_reward_models(aux_path, sprm, sprm_head, hindsight, args.aux_full_params)
@@ -2091,13 +2205,15 @@ def main(args: Args) -> dict:
         seconds = defaultdict(float)
         my_groups = process_share(args.tasks_per_iteration, dist.process_index,
                                   dist.num_processes)
-        # (1) B tasks x N copies, lock-step rollouts of the current policy
-        batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
-        policy.sync(run_path)
-        tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
-        groups = [g for g in my_groups for _ in range(args.group_size)]
-        trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
-                        seconds=seconds)
+        if args.rl_data == "explore":  # the next batch of collected rollouts, in order
+            trajs = collected[(iteration - 1) * batch_size:iteration * batch_size]
+        else:  # (1) B tasks x N copies, lock-step rollouts of the current policy
+            batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
+            policy.sync(run_path)
+            tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
+            groups = [g for g in my_groups for _ in range(args.group_size)]
+            trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
+                            seconds=seconds)
         rollout_seconds = time.time() - t0
         # (2-4) old log-probs (Eq. 5's denominator) and values, the reference's step KL; the
         # segments and their SPRM rewards (Eq. 2), the hindsight log-probs (Eq. 5's numerator).
@@ -2144,7 +2260,8 @@ def main(args: Args) -> dict:
                       "train/explained_variance": float(
                           1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
                       "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))})
-        stats["rollout/tokens_per_second"] = n_tokens / max(rollout_seconds, 1e-9)
+        if args.rl_data == "online":  # explore mode generates nothing here
+            stats["rollout/tokens_per_second"] = n_tokens / max(rollout_seconds, 1e-9)
         if sprm is not None:
             stats.update(credit_stats(args, batch))
             stats.update({"credit/sprm_inputs_cut": sum(gather_object([cut["sprm"]])),

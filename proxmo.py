@@ -742,9 +742,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (raw observation = anchor text), "action" (executed), "next_state" (the
-    observation it got), "valid" (admissible, from the env), "parsed" (the reply had an <action>
-    tag), "well_formed" (see is_well_formed), "label"}]}.
+    None), "state" (raw observation = anchor text), "admissible" (the actions the prompt
+    listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
+    from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
+    "label"}]}.
     seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
     seconds = defaultdict(float) if seconds is None else seconds
     expert = expert_rng is not None
@@ -757,10 +758,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     while batch.active():
         active = batch.active()
         start = time.perf_counter()
+        admissible = [games[i].admissible_actions() for i in active]
         prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
-                                 batch.observations[i], games[i].admissible_actions(),
-                                 len(trajs[i]["steps"]) + 1)
-                   for i in active]
+                                 batch.observations[i], admissible[k], len(trajs[i]["steps"]) + 1)
+                   for k, i in enumerate(active)]
         seconds["prompts"] += time.perf_counter() - start
         start = time.perf_counter()
         if expert:
@@ -789,7 +790,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             obs, reward, done, info = results[i]
             tr = trajs[i]
             tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
-                                "logprobs": logprobs[k], "state": states[i], "action": commands[k],
+                                "logprobs": logprobs[k], "state": states[i],
+                                "admissible": admissible[k], "action": commands[k],
                                 "next_state": obs, "valid": bool(info["valid"]),
                                 "parsed": has_action[k], "well_formed": well_formed[k],
                                 "label": labels[k]})

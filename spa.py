@@ -7,7 +7,8 @@ SPA turns the sparse outcome of an episode into a dense reward per step:
     outcome (Eqs. 6-7), then frozen;
   * the step reward is r_t = alpha * c_t + beta * g_t (Eq. 8), g_t = 1 when the action could be
     executed (grounding), and PPO with a critic (a value head on the policy) and GAE optimises
-    it (Eqs. 9-10). The outcome itself enters the reward only through the c_t.
+    it (Eqs. 9-10), here over the exploration rollouts themselves, one pass, as the released
+    code does. The outcome itself enters the reward only through the c_t.
 
 Where this script chooses, or departs from the paper and its released code (spec: `Choice:`):
   * PE: the start policy's weights plus a fresh LoRA adapter and Linear(H, 1) on the final-norm
@@ -22,19 +23,23 @@ Where this script chooses, or departs from the paper and its released code (spec
     --pe-max-tokens is left out of training (counted, and how many of them won); in RL it is
     read up to the limit: replies closing within it are scored exactly (c_t is causal), later
     steps get 0.
-  * RL data: `--rl-data online` (default) rolls out the current policy every iteration and reads
-    the c_t of these new rollouts from the frozen PE; `--rl-data explore` trains on the
-    exploration rollouts themselves, one pass, as the released code does (old log-probs
-    recomputed from the current policy, so the ratio starts at 1). The spec's default is explore;
-    online is the default here because every method of this project is compared on the same
-    budget of fresh rollouts, and the paper's Eq. 9 is written on-policy.
+  * RL data: `--rl-data explore` (default, the released code's) trains on the exploration
+    rollouts, one pass in order (old log-probs recomputed from the current policy, so the ratio
+    starts at 1); `--advantage ppo` then trains on the same rollouts with the sparse outcome.
+    `--rl-data online` rolls out the current policy every iteration and reads the c_t of the new
+    rollouts from the frozen PE.
+  * Grounding as a cost by default, beta * (g_t - 1): 0 for an executable action, -beta for an
+    inadmissible one. It differs from Eq. 8 by a constant per step; Eq. 8 as written pays for
+    length online (SPA online lost 0.22 of the start's success while episodes grew, docs/spa.md).
+    `--grounding-form eq8` is Eq. 8 as written.
   * Critic: a Linear(H, 1) value head on the policy's final hidden state at the last prompt token
     of each step (the position that predicts the action's first token), backbone and LoRA shared
     with the policy, zero-initialised (V = 0 at the start), clipped value loss with coefficient
     0.1 (trl's defaults); its own learning rate (--value-learning-rate; the code has one rate).
   * KL to the reference (the adapter disabled): kl_coef * sum over a step's tokens of
-    log pi_old - log pi_ref, subtracted from that step's reward (a fixed 0.3; the code adapts it
-    from 0.3 by less than 15 % over a run).
+    log pi_old - log pi_ref, subtracted from that step's reward, at a fixed 0.01 (HISR's, so that
+    the PPO baselines of spa.py and hisr.py are one update; the code adapts it from 0.3 by less
+    than 15 % over a run: --kl-coef 0.3).
   * One step advantage for every token of the reply; advantages whitened over the batch with the
     population variance (the code: over tokens, unbiased); returns (critic targets) un-whitened;
     V after the last step is 0, success and step limit alike.
@@ -59,7 +64,8 @@ Where this script chooses, or departs from the paper and its released code (spec
 
 Run:
     python spa.py                           # tiny model, built-in household, CPU, minutes
-    python spa.py --advantage ppo           # the baseline: PPO on the sparse outcome
+    python spa.py --advantage ppo           # the baseline: PPO on the sparse outcome, same data
+    python spa.py --rl-data online          # RL on fresh rollouts of the current policy
     python spa.py --grounding-weight 0      # the ablations: without grounding (or
                                             # --progress-weight 0: without stepwise progress)
     python spa.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the real run
@@ -162,7 +168,10 @@ class Args:
     """lambda of GAE (trl's default)"""
     normalize_advantages: bool = True
     """whiten the step advantages over the batch (population variance)"""
-    kl_coef: float = 0.3
+    grounding_form: Literal["cost", "eq8"] = "cost"
+    """cost: beta * (g_t - 1), 0 for an executable action; eq8: beta * g_t as written (online,
+    it pays for length)"""
+    kl_coef: float = 0.01
     """weight of the KL to the reference (the adapter disabled), sum over a step's tokens of
     log pi_old - log pi_ref, subtracted from the step's reward; 0 skips the reference pass"""
     vf_coef: float = 0.1
@@ -175,9 +184,9 @@ class Args:
     iterations) | real 1e-5 (the code's single rate)]"""
 
     # Exploration and the progress estimator (Eqs. 5-7)
-    rl_data: Literal["online", "explore"] = "online"
-    """online: every iteration rolls out the current policy; explore: RL on the exploration
-    rollouts, one pass in order (the released code)"""
+    rl_data: Literal["explore", "online"] = "explore"
+    """explore: RL on the exploration rollouts, one pass in order (the released code); online:
+    every iteration rolls out the current policy"""
     explore_num_tasks: int = 64
     """training tasks the start policy explores; 0 = every training task
     [preset: tiny 64 | real 0]"""
@@ -368,8 +377,6 @@ def validate_args(args: Args) -> list[str]:
          f"--progress-model {a.progress_model}: no such directory"),
         (a.progress_model is None or a.advantage == "spa",
          "--progress-model is read by --advantage spa only"),
-        (a.rl_data == "online" or a.advantage == "spa",
-         "--rl-data explore needs --advantage spa (it trains on the exploration rollouts)"),
         (a.rl_data == "online" or a.progress_model is None,
          "--rl-data explore needs the exploration rollouts: drop --progress-model"),
         (a.pe_epochs >= 1, "--pe-epochs must be >= 1"),
@@ -611,6 +618,15 @@ def whiten(xs: list[float], eps: float = 1e-8) -> list[float]:
     return [(x - mean) / math.sqrt(variance + eps) for x in xs]
 
 
+def grounding_terms(grounded: list[int], form: str = "cost") -> list[int]:
+    """The grounding term of each step before its weight beta: "eq8" g_t as written in Eq. 8
+    (1 executable, 0 not), "cost" g_t - 1 (0 executable, -1 not: an executable step earns
+    nothing, so a longer episode earns no more). [1, 0, 1] -> eq8 [1, 0, 1], cost [0, -1, 0]."""
+    if form not in ("cost", "eq8"):
+        raise ValueError(f"form must be cost or eq8, got {form!r}")
+    return [int(g) - 1 if form == "cost" else int(g) for g in grounded]
+
+
 def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gamma: float = 0.99,
                    lam: float = 0.95, normalize: bool = True,
                    kl_coef: float = 0.0) -> tuple[list[list[float]], list[list[float]]]:
@@ -637,15 +653,16 @@ def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gam
 
 
 def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list]:
-    """(advantages, returns) per step of every trajectory of a batch (summaries with "contribs",
-    "values" and "step_kl" per step): SPA's fused reward, or with --advantage ppo the sparse
-    outcome in place of the contributions and no grounding term."""
+    """(advantages, returns) per step of every trajectory of a batch (summaries with "contrib",
+    "value" and "step_kl" per step): SPA's fused reward with the --grounding-form term, or with
+    --advantage ppo the sparse outcome in place of the contributions and no grounding term."""
     batch = []
     for t in trajectories:
         steps = t["steps"]
         if args.advantage == "spa":
             contribs = [s["contrib"] for s in steps]
-            grounded = [grounding_flag(s["next_state"], s["parsed"], args.env) for s in steps]
+            flags = [grounding_flag(s["next_state"], s["parsed"], args.env) for s in steps]
+            grounded = grounding_terms(flags, args.grounding_form)
         else:
             contribs, grounded = list(t["rewards"]), [0] * len(steps)
         batch.append({"contribs": contribs, "grounded": grounded,
@@ -735,6 +752,9 @@ def progress_forward(pe, head, sequences: list[tuple[list[int], list[int]]],
     hidden = final_hidden_states(pe, input_ids.to(device), attention.to(device))
     return [head(hidden[i, action_end_positions(mask)].float()).squeeze(-1)
             for i, (_, mask) in enumerate(sequences)]
+
+
+EXPLORE_FILE = "explore_rollouts.pt"  # in the run directory: what --rl-data explore trains on
 
 
 def explore(args: Args, policy: Policy, tasks: list) -> list[dict]:
@@ -995,9 +1015,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (raw observation = anchor text), "action" (executed), "next_state" (the
-    observation it got), "valid" (admissible, from the env), "parsed" (the reply had an <action>
-    tag), "well_formed" (see is_well_formed), "label"}]}.
+    None), "state" (raw observation = anchor text), "admissible" (the actions the prompt
+    listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
+    from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
+    "label"}]}.
     seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
     seconds = defaultdict(float) if seconds is None else seconds
     expert = expert_rng is not None
@@ -1010,10 +1031,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     while batch.active():
         active = batch.active()
         start = time.perf_counter()
+        admissible = [games[i].admissible_actions() for i in active]
         prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
-                                 batch.observations[i], games[i].admissible_actions(),
-                                 len(trajs[i]["steps"]) + 1)
-                   for i in active]
+                                 batch.observations[i], admissible[k], len(trajs[i]["steps"]) + 1)
+                   for k, i in enumerate(active)]
         seconds["prompts"] += time.perf_counter() - start
         start = time.perf_counter()
         if expert:
@@ -1042,7 +1063,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             obs, reward, done, info = results[i]
             tr = trajs[i]
             tr["steps"].append({"prompt": prompts[k], "response_ids": responses[k],
-                                "logprobs": logprobs[k], "state": states[i], "action": commands[k],
+                                "logprobs": logprobs[k], "state": states[i],
+                                "admissible": admissible[k], "action": commands[k],
                                 "next_state": obs, "valid": bool(info["valid"]),
                                 "parsed": has_action[k], "well_formed": well_formed[k],
                                 "label": labels[k]})
@@ -1421,9 +1443,10 @@ def main(args: Args) -> dict:
         if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
             raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
         state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
-        if args.rl_data == "explore":
-            raise UsageError(f"--resume {args.resume}: --rl-data explore runs are not resumable "
-                             "(their exploration rollouts are not saved)")
+        if args.rl_data == "explore" and not os.path.isfile(os.path.join(run_path,
+                                                                         EXPLORE_FILE)):
+            raise UsageError(f"--resume {args.resume}: no {EXPLORE_FILE} in it (the exploration "
+                             "rollouts --rl-data explore trains on)")
         if state["iteration"] >= args.iterations:
             raise UsageError(f"--resume {args.resume}: the run already did {state['iteration']} "
                              "iterations; pass a larger --iterations to continue it")
@@ -1435,15 +1458,19 @@ def main(args: Args) -> dict:
     if args.tasks_per_iteration > len(train_tasks):
         raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
                          f"{len(train_tasks)} training tasks")
+    # Exploration (the start policy's rollouts): what the PE learns from, and with --rl-data
+    # explore what RL trains on, SPA and PPO alike.
+    n_explore = min(args.explore_num_tasks or len(train_tasks), len(train_tasks))
     explore_tasks = []
-    if args.advantage == "spa" and args.progress_model is None and not args.resume:
-        explore_tasks = random.Random(args.seed + 2).sample(
-            train_tasks, min(args.explore_num_tasks or len(train_tasks), len(train_tasks)))
+    explores = args.rl_data == "explore" or (args.advantage == "spa"
+                                             and args.progress_model is None)
+    if explores and not args.resume:
+        explore_tasks = random.Random(args.seed + 2).sample(train_tasks, n_explore)
     batch_size = args.tasks_per_iteration * args.group_size
     if args.rl_data == "explore":
-        batches = len(explore_tasks) * args.explore_rollouts // batch_size
+        batches = n_explore * args.explore_rollouts // batch_size
         if args.iterations > batches:
-            raise UsageError(f"--rl-data explore: {len(explore_tasks)} tasks x "
+            raise UsageError(f"--rl-data explore: {n_explore} tasks x "
                              f"{args.explore_rollouts} rollouts make {batches} batches of "
                              f"{batch_size}, fewer than --iterations {args.iterations}")
     eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
@@ -1550,14 +1577,20 @@ def main(args: Args) -> dict:
     # is zero, so the policy that explores is the start policy.
     pe = pe_head = None
     explore_trajs: list[dict] = []
+    explore_file = os.path.join(run_path, EXPLORE_FILE)
+    t0 = time.time()
+    if args.rl_data == "explore" and args.resume:
+        explore_trajs = torch.load(explore_file, weights_only=True)
+    elif explore_tasks:
+        policy.sync(run_path)
+        explore_trajs = explore(args, policy, explore_tasks)
+        if args.rl_data == "explore" and dist.is_main_process:  # what a resume trains on
+            torch.save(explore_trajs, explore_file)
     if args.advantage == "spa":
         pe_path = os.path.join(run_path, "progress_model")
         if args.resume or args.progress_model:
             pe, pe_head = load_progress_estimator(args, pe_start, args.progress_model or pe_path)
         else:
-            t0 = time.time()
-            policy.sync(run_path)
-            explore_trajs = explore(args, policy, explore_tasks)
             pe = add_lora(pe_start, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
             pe_head = make_head(pe.config.hidden_size, args.pe_head, device)
             stats = train_progress_estimator(args, pe, pe_head, tokenizer, explore_trajs,

@@ -43,7 +43,8 @@ def test_two_iterations_of_hisr(tmp_path):
     out = run(["--iterations", "2", "--run-dir", str(tmp_path), *SMALL, "--aux-heldout", "0.34"],
               tmp_path)
     assert re.search(r"^collect 18/18 ", out.stdout, re.MULTILINE)
-    assert re.search(r"held out: SPRM MSE \S+ \(a constant: \S+\); hindsight NLL", out.stdout)
+    assert re.search(r"held out \(6 rollouts, unfiltered\): SPRM AUC \S+, MSE \S+ \(a constant: "
+                     r"\S+\); hindsight NLL", out.stdout)
     assert "[eval test @ iter 0]" in out.stdout and "[eval test @ iter 2]" in out.stdout
     (run_path,) = glob.glob(str(tmp_path / "hisr__household__hisr__1__*"))
     for name in ("config.json", "summary.json", "checkpoint/adapter_config.json",
@@ -53,8 +54,8 @@ def test_two_iterations_of_hisr(tmp_path):
     logged = scalars(run_path)
     kept = logged.Scalars("collect/kept_share")[0].value
     assert 0 < kept <= 1
-    held_tasks = 2  # a third of the 6 collected tasks, 3 rollouts each, minus the dropped ones
-    assert logged.Scalars("sprm/trajectories")[0].value <= 18 - 3 * held_tasks + 3
+    held_tasks = 2  # a third of the 6 collected tasks, 3 rollouts each, all kept for the fit
+    assert logged.Scalars("sprm/trajectories")[0].value <= 18 - 3 * held_tasks
     iteration = [e.value for e in logged.Scalars("time/iteration_seconds")]
     parts = [[e.value for e in logged.Scalars(f"time/{part}_seconds")] for part in
              ("prompts", "generation", "env", "old_logprobs", "ref_logprobs", "sprm",
@@ -64,7 +65,8 @@ def test_two_iterations_of_hisr(tmp_path):
     for key in ("train/value_loss", "train/explained_variance", "credit/segments_per_trajectory",
                 "credit/single_segment_share", "credit/z_mean", "credit/sprm_inputs_cut",
                 "credit/hindsight_inputs_cut", "reward/step_kl_mean", "sprm/heldout_mse",
-                "hindsight/heldout_nll_hindsight", "hindsight/heldout_nll_start_policy"):
+                "sprm/heldout_auc", "hindsight/heldout_nll_hindsight",
+                "hindsight/heldout_nll_start_policy"):
         assert logged.Scalars(key), key
     segments = logged.Scalars("credit/segments_per_trajectory")[0].value
     assert segments >= 1
@@ -84,7 +86,9 @@ def test_ppo_baseline_trains_no_reward_models(tmp_path):
 
 @pytest.mark.parametrize("ablation", [["--no-use-hindsight", "--segmenter", "turns"],
                                       ["--no-aux-full-params", "--him-placement", "uniform",
-                                       "--him-scale", "sprm", "--grounding-weight", "0"]])
+                                       "--him-scale", "unit", "--grounding-form", "eq8",
+                                       "--collect-filter", "loops",
+                                       "--no-hindsight-admissible"]])
 def test_ablations_run(tmp_path, ablation):
     out = run(["--iterations", "1", "--run-dir", str(tmp_path), *SMALL, *ablation], tmp_path)
     assert "rl 1/1" in out.stdout
@@ -96,6 +100,27 @@ def test_ablations_run(tmp_path, ablation):
     else:
         assert os.path.isfile(os.path.join(run_path, "reward_models", "hindsight",
                                            "adapter_config.json"))
+
+
+def test_hisr_and_ppo_train_on_the_same_collected_rollouts(tmp_path):
+    """--rl-data explore: no new rollouts; the 18 collected rollouts make 3 batches of 6, HISR
+    and PPO train on the same ones, batch by batch; too many iterations are refused."""
+    logged = {}
+    for advantage in ("hisr", "ppo"):
+        out = run(["--iterations", "3", "--advantage", advantage, "--rl-data", "explore",
+                   "--run-dir", str(tmp_path / advantage), *SMALL], tmp_path)
+        assert "rl 3/3" in out.stdout and collected(out)
+        (run_path,) = glob.glob(str(tmp_path / advantage / "*"))
+        assert os.path.isfile(os.path.join(run_path, "collected_rollouts.pt"))
+        logged[advantage] = scalars(run_path)
+        assert "time/generation_seconds" not in logged[advantage].Tags()["scalars"]
+    for tag in ("rollout/success", "rollout/episode_length", "rollout/grounding"):
+        hisr_values = [e.value for e in logged["hisr"].Scalars(tag)]
+        assert len(hisr_values) == 3
+        assert hisr_values == [e.value for e in logged["ppo"].Scalars(tag)], tag
+    refused = run(["--iterations", "4", "--rl-data", "explore", "--run-dir", str(tmp_path / "x"),
+                   *SMALL], tmp_path, expect=2)
+    assert "make 3 batches of 6, fewer than --iterations 4" in refused.stderr
 
 
 def adapter_weights(run_path):
@@ -137,7 +162,8 @@ def test_help_lists_the_flags(tmp_path):
     out = run(["--help"], tmp_path).stdout
     for flag in ("--advantage", "--segmenter", "--use-hindsight", "--importance-beta",
                  "--grounding-weight", "--him-placement", "--him-scale", "--collect-rollouts",
-                 "--reward-models", "--aux-full-params", "--aux-max-tokens", "--resume"):
+                 "--reward-models", "--aux-full-params", "--aux-max-tokens", "--resume",
+                 "--collect-filter", "--rl-data", "--grounding-form", "--hindsight-admissible"):
         assert flag in out
 
 
@@ -145,6 +171,7 @@ def test_help_lists_the_flags(tmp_path):
     (["--reward-models", "/nonexistent/rm"], "--reward-models /nonexistent/rm: no such"),
     (["--advantage", "ppo", "--reward-models", ROOT], "--reward-models is read by --advantage"),
     (["--grounding-weight", "1.5"], "--grounding-weight must be in [0, 1]"),
+    (["--rl-data", "explore", "--reward-models", ROOT], "--rl-data explore trains on the"),
     (["--importance-beta", "0"], "--importance-beta must be > 0"),
     (["--collect-rollouts", "0"], "--collect-rollouts must be >= 1"),
     (["--aux-heldout", "1"], "--aux-heldout must be in [0, 1)"),

@@ -13,7 +13,8 @@ import envs
 from common.model import load_model_and_tokenizer, response_logprobs
 from hisr import (CLOZE_TEXTS, Args, Policy, SegmentRewardHead, action_end_positions,
                   cloze_messages, cloze_texts, encode_cloze, encode_transcript,
-                  keep_for_training, load_reward_models, rollout, save_reward_models,
+                  keep_for_training, load_reward_models, repeats_itself, rollout,
+                  save_reward_models,
                   score_hindsight, score_segments, segment_scores, split_heldout,
                   trajectory_segments, train_sprm)
 
@@ -67,9 +68,18 @@ def test_the_cloze_hides_one_reply_and_shows_the_rest_and_the_outcome(tiny, mode
     assistant = [m["content"] for m in messages if m["role"] == "assistant"]
     assert assistant == [hidden if k == 1 else r for k, r in enumerate(replies)]
     observations = [m["content"] for m in messages[1:-1] if m["role"] == "user"]
-    assert observations == [f"Observation: {s['next_state']}" for s in traj["steps"]]
+    # the message before the hidden reply lists what the policy's prompt listed at that turn
+    listed = "Admissible actions: " + ", ".join(traj["steps"][1]["admissible"])
+    assert traj["steps"][1]["admissible"] and "go to" in listed
+    shown = [f"Observation: {s['next_state']}" for s in traj["steps"]]
+    assert observations == [shown[0] + "\n" + listed] + shown[1:]
     assert messages[-1]["content"].startswith(outcome.format(float(traj["won"])))
     assert messages[0]["content"].startswith(texts[0])
+    plain = cloze_messages(traj, replies, 1, range(len(traj["steps"])), texts, admissible=False)
+    assert [m["content"] for m in plain[1:-1] if m["role"] == "user"] == shown
+    first = cloze_messages(traj, replies, 0, range(len(traj["steps"])), texts)
+    assert first[0]["content"].endswith("Admissible actions: "
+                                        + ", ".join(traj["steps"][0]["admissible"]))
 
 
 def test_a_segment_score_sees_no_later_turn(tiny):
@@ -149,13 +159,39 @@ def test_hindsight_scores_every_reply_token(tiny):
 
 
 def test_the_collection_filter():
+    """Dropped by default: a malformed reply, or one repeating itself; a failure that loops is
+    kept (the paper keeps 92.7 % of its rollouts), and dropped only with loops=True."""
     def traj(actions_feedback, well_formed=True):
         return {"steps": [{"action": a, "next_state": f, "well_formed": well_formed}
                           for a, f in actions_feedback]}
-    assert keep_for_training(traj([("look", "x"), ("go to desk 1", "y"), ("look", "x")]))
-    assert not keep_for_training(traj([("look", "x")], well_formed=False))
-    assert not keep_for_training(traj([("a", "b"), ("look", "x"), ("look", "x"), ("look", "x")]))
-    assert keep_for_training(traj([("look", "x"), ("look", "x"), ("look", "z")]))
+
+    def replies(t):
+        return [f"<action>{s['action']}</action>" for s in t["steps"]]
+    ok = traj([("look", "x"), ("go to desk 1", "y"), ("look", "x")])
+    loop = traj([("a", "b"), ("look", "x"), ("look", "x"), ("look", "x")])
+    almost = traj([("look", "x"), ("look", "x"), ("look", "z")])
+    malformed = traj([("look", "x")], well_formed=False)
+    for t in (ok, loop, almost):
+        assert keep_for_training(t, replies(t))
+    assert not keep_for_training(malformed, replies(malformed))
+    assert not keep_for_training(loop, replies(loop), loops=True)
+    assert keep_for_training(ok, replies(ok), loops=True)
+    assert keep_for_training(almost, replies(almost), loops=True)
+    babble = ["<action>look</action>", "<action>go to go to go to go to desk 1</action>",
+              "<action>look</action>"]
+    assert not keep_for_training(ok, babble)
+
+
+def test_a_reply_repeating_itself():
+    """A piece of 4+ characters 3+ times in a row, white space collapsed."""
+    assert repeats_itself("look look look look")
+    assert repeats_itself("<action>go to go to go to go to</action>")  # "go to " x 3
+    assert repeats_itself("abcd\nabcd  abcd abcd")  # "abcd " x 3 once collapsed
+    assert not repeats_itself("go to go to go to")  # the third "go to " is not whole
+    assert not repeats_itself("<action>go to desk 1</action>")
+    assert not repeats_itself("<action>open drawer 11</action>")  # "1" x 2: too short
+    assert not repeats_itself("look look")  # twice is not degenerate
+    assert not repeats_itself("")
 
 
 def test_segmenters(tiny):

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hisr import (action_importance, action_log_importance, fused_rewards, gae,  # noqa: E402
-                  goal_object, hindsight_loss, hisr_advantages, hisr_rewards,
+from hisr import (Args, action_importance, action_log_importance,  # noqa: E402
+                  compute_advantages, fused_rewards, gae, goal_object, grounding_terms,
+                  hindsight_loss, hisr_advantages, hisr_rewards, outcome_auc,
                   modulate_segment_rewards, segment_ends, segment_ids_from_events,
                   segment_importance, sprm_loss, turn_rewards, whiten)
 
@@ -358,3 +359,45 @@ def test_whiten():
     close(whiten(T([1.0, 3.0])), [-1.0, 1.0], tol=1e-7)
     close(whiten(T([4.0])), [0.0])
     assert whiten(T([])).numel() == 0
+
+
+def test_grounding_terms():
+    close(grounding_terms(T([1.0, 0.0, 1.0])), [0.0, -1.0, 0.0])  # the default: a cost
+    close(grounding_terms(T([1.0, 0.0, 1.0]), "eq8"), [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="cost or eq8"):
+        grounding_terms(T([1.0]), "paid")
+
+
+def summary_of_three_turns():
+    """Three turns, segments [0, 0, 1], SPRM r^ = (0.2, 0.6), hindsight = policy (z = 1 each),
+    admissible, not, admissible; V = 0, no KL."""
+    logp = torch.tensor([-0.5, -1.0])
+    steps = [{"old_logprobs": logp, "hind_logprobs": logp, "valid": v, "value": 0.0,
+              "step_kl": 0.0} for v in (True, False, True)]
+    return {"seg_ids": [0, 0, 1], "seg_rewards": [0.2, 0.6], "won": True, "rewards": [0, 0, 1],
+            "steps": steps}
+
+
+def test_the_defaults_keep_the_sprm_mass_and_make_grounding_a_cost():
+    """z_s = (1 + 1, 1) = (2, 1); r^ z = (0.4, 0.6) / 3, L1 mass 1/3: Eq. 7 as written gives
+    (0.4, 0.6); times sum |r^| = 0.8 (sprm, default): (0.32, 0.48), on the segments' last turns:
+    (0, 0.32, 0.48). Default, cost: r = 0.7 him + 0.3 (g - 1) = (0, 0.224 - 0.3, 0.336) =
+    (0, -0.076, 0.336); GAE (gamma lambda = 0.9405, V = 0): A_2 = 0.336, A_1 = -0.076 + 0.9405 *
+    0.336 = 0.240008, A_0 = 0.9405 * 0.240008 = 0.225728. Old reading (unit, eq8): r = 0.7 (0,
+    0.4, 0.6) + 0.3 (1, 0, 1) = (0.3, 0.28, 0.72): A = (1.200209, 0.95716, 0.72)."""
+    args = Args(normalize_advantages=False)
+    assert (args.him_scale, args.grounding_form) == ("sprm", "cost")
+    adv, ret = compute_advantages(args, [summary_of_three_turns()])
+    close(adv[0], [0.225728, 0.240008, 0.336])
+    close(ret[0], [0.225728, 0.240008, 0.336])
+    old = Args(normalize_advantages=False, him_scale="unit", grounding_form="eq8")
+    adv, _ = compute_advantages(old, [summary_of_three_turns()])
+    close(adv[0], [1.200209, 0.95716, 0.72])
+
+
+def test_outcome_auc_by_hand():
+    """Wins predicted (0.9, 0.5), losses (0.2, 0.5): 3 of 4 pairs right, one tie: 3.5 / 4."""
+    won = T([True, False, False, True])
+    assert outcome_auc(T([0.9, 0.2, 0.5, 0.5]), won) == pytest.approx(0.875)
+    assert outcome_auc(T([0.1, 0.2, 0.5, 0.05]), won) == pytest.approx(0.0)
+    assert math.isnan(outcome_auc(T([0.1, 0.2]), T([True, True])))

@@ -39,9 +39,9 @@ def scalars(run_path):
     return EventAccumulator(events).Reload()
 
 
-def test_two_iterations_of_spa(tmp_path):
-    out = run(["--iterations", "2", "--run-dir", str(tmp_path), *SMALL, "--pe-heldout", "0.34"],
-              tmp_path)
+def test_two_iterations_of_spa_online(tmp_path):
+    out = run(["--iterations", "2", "--rl-data", "online", "--run-dir", str(tmp_path), *SMALL,
+               "--pe-heldout", "0.34"], tmp_path)
     assert re.search(r"^explore 18/18 ", out.stdout, re.MULTILINE)
     assert "12 rollouts to train on, 6 of 2 other tasks held out" in out.stdout
     assert "[eval test @ iter 0]" in out.stdout and "[eval test @ iter 2]" in out.stdout
@@ -67,24 +67,35 @@ def test_two_iterations_of_spa(tmp_path):
     assert state["iteration"] == 2 and state["value_head"]["0.weight"].abs().sum() > 0
 
 
-def test_ppo_baseline_trains_no_progress_estimator(tmp_path):
-    out = run(["--iterations", "1", "--advantage", "ppo", "--run-dir", str(tmp_path), *SMALL],
-              tmp_path)
+def test_ppo_online_trains_no_progress_estimator(tmp_path):
+    out = run(["--iterations", "1", "--advantage", "ppo", "--rl-data", "online", "--run-dir",
+               str(tmp_path), *SMALL], tmp_path)
     assert "progress estimator" not in out.stdout and not explored(out)
     (run_path,) = glob.glob(str(tmp_path / "spa__household__ppo__1__*"))
     assert not os.path.exists(os.path.join(run_path, "progress_model"))
     assert "rl 1/1" in out.stdout
 
 
-def test_rl_on_the_exploration_rollouts(tmp_path):
-    """--rl-data explore: no new rollouts; the 18 exploration rollouts make 3 batches of 6."""
-    out = run(["--iterations", "3", "--rl-data", "explore", "--run-dir", str(tmp_path), *SMALL],
-              tmp_path)
-    assert "rl 3/3" in out.stdout
-    (run_path,) = glob.glob(str(tmp_path / "*"))
-    assert "time/generation_seconds" not in scalars(run_path).Tags()["scalars"]
-    refused = run(["--iterations", "4", "--rl-data", "explore", "--run-dir", str(tmp_path / "x"),
-                   *SMALL], tmp_path, expect=2)
+def test_spa_and_ppo_train_on_the_same_exploration_rollouts(tmp_path):
+    """--rl-data explore (default): no new rollouts; the 18 exploration rollouts make 3 batches
+    of 6, and PPO (no progress estimator) trains on the same ones, batch by batch."""
+    logged = {}
+    for advantage in ("spa", "ppo"):
+        out = run(["--iterations", "3", "--advantage", advantage, "--run-dir",
+                   str(tmp_path / advantage), *SMALL], tmp_path)
+        assert "rl 3/3" in out.stdout and explored(out)
+        (run_path,) = glob.glob(str(tmp_path / advantage / "*"))
+        assert os.path.isfile(os.path.join(run_path, "explore_rollouts.pt"))
+        logged[advantage] = scalars(run_path)
+        assert "time/generation_seconds" not in logged[advantage].Tags()["scalars"]
+    (ppo_path,) = glob.glob(str(tmp_path / "ppo" / "*"))
+    assert not os.path.exists(os.path.join(ppo_path, "progress_model"))
+    for tag in ("rollout/success", "rollout/episode_length", "rollout/grounding"):
+        spa_values = [e.value for e in logged["spa"].Scalars(tag)]
+        assert len(spa_values) == 3
+        assert spa_values == [e.value for e in logged["ppo"].Scalars(tag)], tag
+    refused = run(["--iterations", "4", "--run-dir", str(tmp_path / "x"), *SMALL], tmp_path,
+                  expect=2)
     assert "make 3 batches of 6, fewer than --iterations 4" in refused.stderr
 
 
@@ -116,24 +127,26 @@ def test_a_saved_progress_estimator_skips_exploration(tmp_path):
     (first,) = glob.glob(str(tmp_path / "first" / "*"))
     assert os.path.isfile(os.path.join(first, "progress_model", "head.pt"))
     out = run(["--iterations", "1", "--progress-model", os.path.join(first, "progress_model"),
-               "--run-dir", str(tmp_path / "second"), *SMALL], tmp_path)
+               "--rl-data", "online", "--run-dir", str(tmp_path / "second"), *SMALL], tmp_path)
     assert not explored(out) and "rl 1/1" in out.stdout
     os.remove(os.path.join(first, "progress_model", "head.pt"))
     broken = run(["--iterations", "1", "--progress-model", os.path.join(first, "progress_model"),
-                  "--run-dir", str(tmp_path / "third"), *SMALL], tmp_path, expect=2)
+                  "--rl-data", "online", "--run-dir", str(tmp_path / "third"), *SMALL], tmp_path,
+                 expect=2)
     assert "no head.pt" in broken.stderr and "Traceback" not in broken.stderr
 
 
 def test_help_lists_the_flags(tmp_path):
     out = run(["--help"], tmp_path).stdout
-    for flag in ("--advantage", "--progress-weight", "--grounding-weight", "--rl-data",
+    for flag in ("--advantage", "--progress-weight", "--grounding-weight", "--grounding-form",
+                 "--rl-data",
                  "--explore-rollouts", "--progress-model", "--pe-head", "--vf-coef", "--resume"):
         assert flag in out
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--progress-model", "/nonexistent/pe"], "--progress-model /nonexistent/pe: no such"),
-    (["--advantage", "ppo", "--rl-data", "explore"], "--rl-data explore needs --advantage spa"),
+    (["--progress-model", ROOT], "--rl-data explore needs the exploration rollouts"),
     (["--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1]"),
     (["--explore-rollouts", "0"], "--explore-rollouts must be >= 1"),
     (["--pe-heldout", "1"], "--pe-heldout must be in [0, 1)"),

@@ -2,13 +2,14 @@
 6), one example worked by hand here, and the spec's edge cases, to 1e-6."""
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
 
 from spa import (Args, action_end_positions, compute_advantages, fused_rewards, gae,
-                 grounding_flag, ppo_clip_loss, progress_estimator_loss, readable_prefix,
-                 spa_advantages, value_loss, whiten)
+                 grounding_flag, grounding_terms, ppo_clip_loss, progress_estimator_loss,
+                 readable_prefix, spa_advantages, value_loss, whiten)
 
 TOL = 1e-6
 # The spec's Example 1: trajectory A (success, n = 4) and B (failure, n = 3).
@@ -181,16 +182,44 @@ def summary(traj: dict, won: bool) -> dict:
 
 
 def test_compute_advantages_reads_the_steps_of_a_batch():
-    """SPA's defaults on Example 1's pair give Example 1's whitened advantages; an unparsed reply
-    has g = 0 whatever the observation."""
+    """Eq. 8 as written on Example 1's pair gives Example 1's whitened advantages; an unparsed
+    reply has g = 0 whatever the observation."""
     batch = [summary(A, True), summary(B, False)]
-    adv, ret = compute_advantages(Args(), batch)
+    adv, ret = compute_advantages(Args(grounding_form="eq8"), batch)
     assert close(adv[0], [1.972820, 0.901521, -0.469422, -0.062803])
     assert close(adv[1], [-0.465997, -1.154706, -0.721414])
     assert close(ret[0], [2.340852, 1.808881, 0.972175, 1.050000])
     batch[0]["steps"][0]["parsed"] = False  # r_0 of A loses its 0.5: 0.1 instead of 0.6
-    _, ret = compute_advantages(Args(normalize_advantages=False), batch)
+    _, ret = compute_advantages(Args(normalize_advantages=False, grounding_form="eq8"), batch)
     assert close(ret[0], [2.340852 - 0.5, 1.808881, 0.972175, 1.050000])
+
+
+def test_grounding_terms():
+    assert grounding_terms([1, 0, 1, 1]) == [0, -1, 0, 0]  # the default: a cost
+    assert grounding_terms([1, 0, 1, 1], "eq8") == [1, 0, 1, 1]
+    assert grounding_terms([]) == []
+    with pytest.raises(ValueError, match="cost or eq8"):
+        grounding_terms([1], "paid")
+
+
+def test_grounding_as_a_cost_by_hand():
+    """The default reward on Example 1's A: r = c + 0.5 (g - 1) = (0.10, 0.35, -0.55, 0.55);
+    V = (0.6, 0.8, 0.9, 0.7), gamma 0.99, lambda 0.95 (gamma lambda = 0.9405).
+    delta_3 = 0.55 - 0.7 = -0.15 = A_3; delta_2 = -0.55 + 0.693 - 0.9 = -0.757,
+    A_2 = -0.757 - 0.9405 * 0.15 = -0.898075; delta_1 = 0.35 + 0.891 - 0.8 = 0.441,
+    A_1 = 0.441 - 0.9405 * 0.898075 = -0.403640; delta_0 = 0.1 + 0.792 - 0.6 = 0.292,
+    A_0 = 0.292 - 0.9405 * 0.403640 = -0.087623. Returns A + V. Eq. 8's rewards are 0.5
+    higher at every step, so its advantages are higher by 0.5 (1 + 0.9405 + ...) over the steps
+    left: 1.828475, 1.412520, 0.970250, 0.5. The longer the rest of the episode, the more Eq. 8
+    pays; the cost form pays nothing for an executable step."""
+    args = Args(normalize_advantages=False)
+    assert args.grounding_form == "cost"
+    adv, ret = compute_advantages(args, [summary(A, True)])
+    assert close(adv[0], [-0.087623, -0.403640, -0.898075, -0.15])
+    assert close(ret[0], [0.512377, 0.396360, 0.001925, 0.55])
+    paid, _ = compute_advantages(Args(normalize_advantages=False, grounding_form="eq8"),
+                                 [summary(A, True)])
+    assert close([p - c for p, c in zip(paid[0], adv[0])], [1.828475, 1.412520, 0.970250, 0.5])
 
 
 def test_the_ppo_baseline_uses_the_sparse_outcome():
@@ -231,3 +260,29 @@ def test_readable_prefix_drops_a_reply_the_cut_leaves_open():
     assert readable_prefix(ids, mask, 6) == (ids[:6], [0, 1, 1, 0, 0, 0])
     assert readable_prefix(ids, mask, 8) == (ids[:8], mask[:8])  # reply closes at 7: kept
     assert readable_prefix(ids, mask, 10) == (ids, mask)
+
+
+def test_the_ppo_baselines_of_spa_and_hisr_are_one_update():
+    """spa.py --advantage ppo --rl-data online and hisr.py --advantage ppo make the same update:
+    the same advantages and returns on one batch (sparse outcome minus the KL penalty, GAE,
+    whitened), and the same tiny defaults for every setting both scripts have, but the method's
+    own and where RL data come from. With the harness and policy_update tested identical, one set
+    of PPO runs serves both methods."""
+    import hisr
+    import spa
+
+    batch = [summary(A, True), summary(B, False)]
+    for t, kl in zip(batch, ([0.2, -0.1, 0.0, 0.4], [0.3, 0.1, -0.2])):
+        for step, k in zip(t["steps"], kl):
+            step["step_kl"] = k
+    adv_spa, ret_spa = spa.compute_advantages(spa.Args(advantage="ppo"), batch)
+    adv_hisr, ret_hisr = hisr.compute_advantages(hisr.Args(advantage="ppo"), batch)
+    for a, b in zip(adv_spa + ret_spa, adv_hisr + ret_hisr):
+        assert close(b.tolist(), [float(x) for x in a], tol=1e-12)
+    # A's last reward by hand: 1 - 0.01 * 0.4 = 0.996, V = 0.7: its return is 0.996
+    assert close([ret_spa[0][3]], [0.996])
+    own = {"exp_name", "advantage", "rl_data", "grounding_weight", "grounding_form"}
+    s, h = spa.preset_args("tiny"), hisr.preset_args("tiny")
+    shared = {f.name for f in fields(spa.Args)} & {f.name for f in fields(hisr.Args)}
+    differ = {n for n in shared - own if getattr(s, n) != getattr(h, n)}
+    assert differ == set(), differ
