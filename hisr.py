@@ -906,10 +906,23 @@ def advantage_inputs(traj: dict) -> dict:
             "step_kl": torch.tensor([s["step_kl"] for s in steps], dtype=torch.float64)}
 
 
+def outcome_auc(predicted: Tensor, won: Tensor) -> float:
+    """How well predicted outcomes (B,) separate wins from losses (B,) bool: the share of (won,
+    lost) pairs where the won one is predicted higher, ties half; nan without both outcomes.
+    [0.9, 0.2, 0.5] with won [True, False, False] -> 1.0."""
+    wins, losses = predicted[won.bool()].double(), predicted[~won.bool()].double()
+    if len(wins) == 0 or len(losses) == 0:
+        return float("nan")
+    diff = wins[:, None] - losses[None, :]
+    return ((diff > 0).double() + 0.5 * (diff == 0).double()).mean().item()
+
+
 def credit_stats(args: Args, trajectories: list[dict]) -> dict:
     """What the log shows of the segment credit (the paper's Fig. 4): segments per trajectory,
-    the single-segment share, mean z, the sum of R^_him by outcome, and the mean share of |R^|
-    and |R^_him| on the first, middle and last segments of trajectories with 2+ segments."""
+    the single-segment share, mean z, the sum of R^_him by outcome, the mean share of |R^| and
+    |R^_him| on the first, middle and last segments of trajectories with 2+ segments, and how
+    well the SPRM's predicted outcome (sum of R^) separates the batch's wins from its losses
+    under the policy's drift (AUC; nan for a batch of one outcome)."""
     shares = defaultdict(list)
     sums = {True: [], False: []}
     z_all = []
@@ -930,7 +943,10 @@ def credit_stats(args: Args, trajectories: list[dict]) -> dict:
             shares[f"{name}_middle"].append(mass[1:-1].sum().item())
             shares[f"{name}_last"].append(mass[-1].item())
     counts = [len(t["seg_rewards"]) for t in trajectories]
-    stats = {"credit/segments_per_trajectory": float(np.mean(counts)),
+    predicted = torch.tensor([sum(t["seg_rewards"]) for t in trajectories])
+    won = torch.tensor([bool(t["won"]) for t in trajectories])
+    stats = {"credit/sprm_auc": outcome_auc(predicted, won),
+             "credit/segments_per_trajectory": float(np.mean(counts)),
              "credit/single_segment_share": float(np.mean([c == 1 for c in counts])),
              "credit/z_mean": float(np.mean(z_all))}
     stats.update({f"credit/share_{k}": float(np.mean(v)) for k, v in shares.items()})
@@ -1167,17 +1183,6 @@ def keep_for_training(traj: dict, replies: list[str], loops: bool = False,
     pairs = [(s["action"], s["next_state"]) for s in steps]
     return not any(len(set(pairs[k:k + repeats])) == 1
                    for k in range(len(pairs) - repeats + 1))
-
-
-def outcome_auc(predicted: Tensor, won: Tensor) -> float:
-    """How well predicted outcomes (B,) separate wins from losses (B,) bool: the share of (won,
-    lost) pairs where the won one is predicted higher, ties half; nan without both outcomes.
-    [0.9, 0.2, 0.5] with won [True, False, False] -> 1.0."""
-    wins, losses = predicted[won.bool()].double(), predicted[~won.bool()].double()
-    if len(wins) == 0 or len(losses) == 0:
-        return float("nan")
-    diff = wins[:, None] - losses[None, :]
-    return ((diff > 0).double() + 0.5 * (diff == 0).double()).mean().item()
 
 
 def split_heldout(trajs: list[dict], share: float, rng: random.Random) -> tuple[list, list]:
@@ -1991,10 +1996,11 @@ def main(args: Args) -> dict:
     if collects and not args.resume:
         collect_tasks = random.Random(args.seed + 2).sample(train_tasks, n_collect)
     batch_size = args.tasks_per_iteration * args.group_size
-    if args.rl_data == "explore" and args.iterations > n_collect * args.collect_rollouts // batch_size:
+    batches = n_collect * args.collect_rollouts // batch_size
+    if args.rl_data == "explore" and args.iterations > batches:
         raise UsageError(f"--rl-data explore: {n_collect} tasks x {args.collect_rollouts} "
-                         f"rollouts make {n_collect * args.collect_rollouts // batch_size} "
-                         f"batches of {batch_size}, fewer than --iterations {args.iterations}")
+                         f"rollouts make {batches} batches of {batch_size}, fewer than "
+                         f"--iterations {args.iterations}")
     eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
                   for split in args.eval_splits}
     vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None

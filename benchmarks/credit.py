@@ -253,29 +253,35 @@ def rloo_credit(batch: Batch) -> tuple[list[Tensor], str]:
     return istar.compute_advantages(args, batch.trajs), "the batch"
 
 
-def spa_first_iteration(batch: Batch, advantage: str) -> tuple[list[Tensor], str]:
-    """spa.py's advantage at its first iteration (tiny preset): the zero-initialised value head
-    gives V = 0 and the zero LoRA adapter a step KL of 0 to the reference; with SPA, c_t from a PE
-    trained as main trains it (spa.explore of the start, spa.train_progress_estimator) and
-    spa.score_progress; then spa.compute_advantages (GAE, whitened over the batch)."""
+def spa_first_iteration(batch: Batch, advantage: str,
+                        grounding_form: str = "cost") -> tuple[list[Tensor], str]:
+    """spa.py's advantage at its first iteration (tiny preset, with `grounding_form`): the
+    zero-initialised value head gives V = 0 and the zero LoRA adapter a step KL of 0 to the
+    reference; with SPA, c_t from a PE trained as main trains it (spa.explore of the start,
+    spa.train_progress_estimator) and spa.score_progress; then spa.compute_advantages (GAE,
+    whitened over the batch). The PE is trained once a batch."""
     args = replace(spa.preset_args("tiny", "household"), seed=batch.args.seed,
-                   advantage=advantage)
+                   advantage=advantage, grounding_form=grounding_form)
     trajs = [{**t, "steps": [{**s, "value": 0.0, "step_kl": 0.0, "contrib": 0.0}
                              for s in t["steps"]]} for t in batch.trajs]
     data = "the batch; V = 0 (the zero-initialised critic of iteration 1)"
     if advantage == "spa":
-        targets = args.lora_target_modules
-        targets = targets if targets == "all-linear" else targets.split(",")
-        tasks = random.Random(args.seed + 2).sample(envs.list_tasks("household", "train"),
-                                                    batch.budget.explore_tasks)
-        with torch.random.fork_rng():
-            torch.manual_seed(args.seed)
-            explored = spa.explore(args, spa.Policy(args, batch.model, batch.tokenizer), tasks)
-            pe = add_lora(copy.deepcopy(batch.model), args.lora_r, args.lora_alpha,
-                          args.lora_dropout, targets)
-            head = spa.make_head(pe.config.hidden_size, args.pe_head, "cpu")
-            spa.train_progress_estimator(args, pe, head, batch.tokenizer, explored,
-                                         random.Random(args.seed + 3))
+        if "spa" not in batch.cache:
+            targets = args.lora_target_modules
+            targets = targets if targets == "all-linear" else targets.split(",")
+            tasks = random.Random(args.seed + 2).sample(envs.list_tasks("household", "train"),
+                                                        batch.budget.explore_tasks)
+            with torch.random.fork_rng():
+                torch.manual_seed(args.seed)
+                explored = spa.explore(args, spa.Policy(args, batch.model, batch.tokenizer),
+                                       tasks)
+                pe = add_lora(copy.deepcopy(batch.model), args.lora_r, args.lora_alpha,
+                              args.lora_dropout, targets)
+                head = spa.make_head(pe.config.hidden_size, args.pe_head, "cpu")
+                spa.train_progress_estimator(args, pe, head, batch.tokenizer, explored,
+                                             random.Random(args.seed + 3))
+            batch.cache["spa"] = pe, head
+        pe, head = batch.cache["spa"]
         spa.score_progress(args, pe, head, batch.tokenizer, trajs)
         data = (f"own exploration, {batch.budget.explore_tasks} tasks x {args.explore_rollouts} "
                 f"(spa.py: {args.explore_num_tasks} x {args.explore_rollouts}); V = 0 "
@@ -284,16 +290,25 @@ def spa_first_iteration(batch: Batch, advantage: str) -> tuple[list[Tensor], str
     return [torch.tensor(a, dtype=torch.float64) for a in advantages], data
 
 
-def hisr_scored(batch: Batch) -> tuple[hisr.Args, list[dict], str]:
-    """hisr.py's steps before its first update (tiny preset): hisr.collect of the start,
-    keep_for_training, trajectory_segments, split_heldout, train_sprm and train_hindsight on
-    copies of the start (auxiliary_copy), then on the batch's first budget.hisr_tasks groups
-    score_segments and score_hindsight, with the recorded old log-probs, V = 0 (the zero critic
-    of iteration 1) and step KL 0 (the zero adapter). Computed once a batch."""
-    if "hisr" in batch.cache:
-        return batch.cache["hisr"]
+# HISR's readings: the settings the review of 2026-11-24 changed (the revised spec's defaults,
+# and before it: the loop filter, no admissible actions in the cloze, Eq. 7 and Eq. 8 as written).
+HISR_READINGS = {"new": {},
+                 "literal": {"collect_filter": "loops", "hindsight_admissible": False,
+                             "him_scale": "unit", "grounding_form": "eq8"}}
+
+
+def hisr_scored(batch: Batch, reading: str = "new") -> tuple[hisr.Args, list[dict], str]:
+    """hisr.py's steps before its first update (tiny preset with HISR_READINGS[reading]):
+    hisr.collect of the start, keep_for_training, trajectory_segments, split_heldout (whole
+    tasks, unfiltered), train_sprm and train_hindsight on copies of the start (auxiliary_copy),
+    then on the batch's first budget.hisr_tasks groups score_segments and score_hindsight, with
+    the recorded old log-probs, V = 0 (the zero critic of iteration 1) and step KL 0 (the zero
+    adapter). Computed once a batch and reading; the collection is the same for both."""
+    key = f"hisr-{reading}"
+    if key in batch.cache:
+        return batch.cache[key]
     args = replace(hisr.preset_args("tiny", "household"), seed=batch.args.seed,
-                   collect_num_tasks=batch.budget.collect_tasks)
+                   collect_num_tasks=batch.budget.collect_tasks, **HISR_READINGS[reading])
     targets = args.lora_target_modules
     targets = targets if targets == "all-linear" else targets.split(",")
     train_tasks = envs.list_tasks("household", "train")
@@ -301,36 +316,45 @@ def hisr_scored(batch: Batch) -> tuple[hisr.Args, list[dict], str]:
         torch.manual_seed(args.seed)
         tasks = random.Random(args.seed + 2).sample(train_tasks, args.collect_num_tasks)
         collected = hisr.collect(args, hisr.Policy(args, batch.model, batch.tokenizer), tasks)
-        kept = [t for t in collected if hisr.keep_for_training(t)]
-        for t in kept:
+        for t in collected:
             t["seg_ids"] = hisr.trajectory_segments(args, t)
-        train, heldout = hisr.split_heldout(kept, args.aux_heldout, random.Random(args.seed + 3))
+        kept = [hisr.keep_for_training(t, batch.tokenizer.batch_decode(
+                    [s["response_ids"] for s in t["steps"]], skip_special_tokens=True),
+                    args.collect_filter == "loops") for t in collected]
+        tasks_train, heldout = hisr.split_heldout(collected, args.aux_heldout,
+                                                  random.Random(args.seed + 3))
+        train = [i for i in tasks_train if kept[i]]
         sprm = hisr.auxiliary_copy(args, batch.model, targets)
         head = hisr.SegmentRewardHead(batch.model.config.hidden_size)
-        hisr.train_sprm(args, sprm, head, batch.tokenizer, kept, train, heldout,
-                        random.Random(args.seed + 4))
+        fit = hisr.train_sprm(args, sprm, head, batch.tokenizer, collected, train, heldout,
+                              random.Random(args.seed + 4))
         hindsight = hisr.auxiliary_copy(args, batch.model, targets)
-        hisr.train_hindsight(args, hindsight, batch.model, batch.tokenizer, kept, train,
-                             heldout, random.Random(args.seed + 5))
+        fit.update(hisr.train_hindsight(args, hindsight, batch.model, batch.tokenizer,
+                                        collected, train, heldout, random.Random(args.seed + 5)))
     trajs = [{**t, "steps": [{**s, "old_logprobs": torch.tensor(s["logprobs"]), "value": 0.0,
                               "step_kl": 0.0} for s in t["steps"]]}
              for t, k in zip(batch.trajs, batch.task_index) if k < batch.budget.hisr_tasks]
     hisr.score_segments(args, sprm, head, batch.tokenizer, trajs)
     hisr.score_hindsight(args, hindsight, batch.tokenizer, trajs)
+    nan = float("nan")
+    held = (f"{len(heldout)} held out, unfiltered: SPRM AUC "
+            f"{fit.get('sprm/heldout_auc', nan):.2f}, hindsight NLL "
+            f"{fit.get('hindsight/heldout_nll_hindsight', nan):.2f} (policy "
+            f"{fit.get('hindsight/heldout_nll_start_policy', nan):.2f})")
     data = (f"own collection, {args.collect_num_tasks} tasks x {args.collect_rollouts} (hisr.py: "
             f"{hisr.preset_args('tiny', 'household').collect_num_tasks} x "
-            f"{args.collect_rollouts}), {len(kept)} kept; V = 0; the first "
+            f"{args.collect_rollouts}), {len(train)} trained on, {held}; V = 0; the first "
             f"{min(batch.budget.hisr_tasks, len(batch.task_ids))} task groups")
-    batch.cache["hisr"] = args, [hisr.summarize(t) for t in trajs], data
-    return batch.cache["hisr"]
+    batch.cache[key] = args, [hisr.summarize(t) for t in trajs], data
+    return batch.cache[key]
 
 
-def hisr_credit(batch: Batch, scale: str) -> tuple[list[Tensor], str]:
-    """HISR's first-iteration advantage with Eq. 7's scale `scale` ("unit" as written, "sprm"
-    the SPRM's L1 mass kept): hisr.compute_advantages on the scored groups; the steps of the
-    groups HISR did not score get NaN (left out of every figure)."""
-    args, summaries, data = hisr_scored(batch)
-    advantages, _ = hisr.compute_advantages(replace(args, him_scale=scale), summaries)
+def hisr_credit(batch: Batch, reading: str) -> tuple[list[Tensor], str]:
+    """HISR's first-iteration advantage under HISR_READINGS[reading]: hisr.compute_advantages on
+    the scored groups; the steps of the groups HISR did not score get NaN (left out of every
+    figure)."""
+    args, summaries, data = hisr_scored(batch, reading)
+    advantages, _ = hisr.compute_advantages(args, summaries)
     scored = iter(advantages)
     return [torch.as_tensor(next(scored), dtype=torch.float64) if k < batch.budget.hisr_tasks
             else torch.full((len(t["steps"]),), float("nan"))
@@ -506,9 +530,10 @@ ESTIMATORS = {
     "gigpo": lambda batch: proxmo_credit(batch, "gigpo"),
     "proxmo": lambda batch: proxmo_credit(batch, "proxmo"),
     "ppo": lambda batch: spa_first_iteration(batch, "ppo"),
+    "spa-eq8": lambda batch: spa_first_iteration(batch, "spa", "eq8"),
     "spa": lambda batch: spa_first_iteration(batch, "spa"),
-    "hisr": lambda batch: hisr_credit(batch, "unit"),
-    "hisr-sprm": lambda batch: hisr_credit(batch, "sprm"),
+    "hisr-literal": lambda batch: hisr_credit(batch, "literal"),
+    "hisr": lambda batch: hisr_credit(batch, "new"),
     "rloo": rloo_credit,
     "istar": istar_credit,
     "istar-rewards": istar_reward_credit,
@@ -518,8 +543,10 @@ ESTIMATORS = {
 }
 LABELS = {"admissible": "admissible steps only (reference)", "grpo": "GRPO (proxmo.py)",
           "gigpo": "GiGPO (proxmo.py)", "proxmo": "ProxMO (proxmo.py)",
-          "ppo": "PPO (spa.py)", "spa": "SPA (spa.py)",
-          "hisr": "HISR, unit scale (hisr.py)", "hisr-sprm": "HISR, sprm scale (hisr.py)",
+          "ppo": "PPO (spa.py)", "spa-eq8": "SPA, Eq. 8 as written (spa.py)",
+          "spa": "SPA, grounding as a cost (spa.py)",
+          "hisr-literal": "HISR, the literal reading (hisr.py)",
+          "hisr": "HISR, as revised (hisr.py)",
           "rloo": "RLOO (istar.py)", "istar": "iStar (istar.py)",
           "istar-rewards": "iStar step rewards (istar.py)",
           "sspo-first": "3SPO, first round (sspo.py)", "sspo": "3SPO, searched counts (sspo.py)",

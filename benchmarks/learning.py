@@ -36,6 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The protocol's training budget on top of the script's tiny defaults, fixed beforehand so that a
 # run takes about 12 minutes on 2 cores; the hyperparameters themselves were not tuned.
 PROTOCOL_FLAGS = ["--iterations", "20", "--tasks-per-iteration", "8"]
+# A script's additions to the protocol: SPA trains on its exploration rollouts by default, 160
+# tasks x 8 = the 1,280 episodes of an online run.
+SCRIPT_FLAGS = {"spa.py": ["--explore-num-tasks", "160"]}
 # Each script's values of --advantage: the method first, then its baselines.
 ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"],
               "istar.py": ["istar", "rloo", "grpo"], "hisr.py": ["hisr", "ppo"],
@@ -323,7 +326,7 @@ def main(argv: list[str]) -> str:
         args.estimators = ESTIMATORS[args.script]
     if args.eval_num_tasks < 0:
         parser.error("--eval-num-tasks must be >= 0")
-    flags = PROTOCOL_FLAGS + extra
+    flags = PROTOCOL_FLAGS + SCRIPT_FLAGS.get(args.script, []) + extra
     if args.eval_num_tasks:
         extra = extra + [f"eval{args.eval_num_tasks}"]
     where = os.path.join(args.split, args.script)
