@@ -40,11 +40,13 @@ Where this script chooses, or departs from the paper (no code was released; spec
     Longer than --aux-max-tokens: an SPRM transcript is left out of training (counted) and read in
     RL from its longest suffix of whole turns that fits (segments ending before it get 0); a
     cloze input drops the turns farthest from k, alternately after and before it (counted).
-  * Eq. 5's denominator is the rollout policy (PPO's old log-probs, at the rollout temperature);
-    the hindsight model is scored at temperature 1. Eq. 7's norm is L1 (the paper's case studies
-    match it, L2 does not), times the SPRM's L1 mass (--him-scale sprm, default), so that a
-    trajectory's rewards keep its predicted outcome (App. C; every case study is a win where the
-    two agree); `--him-scale unit`, Eq. 7 as written, gives every trajectory mass 1, won or lost.
+  * Eq. 5's denominator is the rollout policy (PPO's old log-probs, at the rollout temperature;
+    with --rl-data explore, the current policy on replies the start sampled at
+    --collect-temperature); the hindsight model is scored at temperature 1. Eq. 7's norm is L1
+    (the paper's case studies match it, L2 does not), times the SPRM's L1 mass (--him-scale
+    sprm, default), so that a trajectory's rewards keep its predicted outcome (App. C; every
+    case study is a win where the two agree); `--him-scale unit`, Eq. 7 as written, gives every
+    trajectory mass 1, won or lost.
     A segment's modulated reward lands on its last turn (--him-placement uniform spreads it).
     "w/o HIM" (--no-use-hindsight) keeps Eq. 7 with z = 1.
   * Grounding as a cost by default, alpha * (g_t - 1), g_t the environment's admissibility flag:
@@ -178,7 +180,7 @@ class Args:
 
     # Reward: the method and the baseline it is compared against.
     advantage: Literal["hisr", "ppo"] = "hisr"
-    """hisr: GAE over the fused reward (1 - alpha) * modulated segment reward + alpha * g_t
+    """hisr: GAE over (1 - alpha) * modulated segment reward + the --grounding-form term
     (Eqs. 5-8); ppo: GAE over the sparse outcome (1 at the last step of a success), no reward
     models (the paper's PPO)"""
     segmenter: Literal["events", "turns", "whole"] = "events"
@@ -922,7 +924,8 @@ def credit_stats(args: Args, trajectories: list[dict]) -> dict:
     the single-segment share, mean z, the sum of R^_him by outcome, the mean share of |R^| and
     |R^_him| on the first, middle and last segments of trajectories with 2+ segments, and how
     well the SPRM's predicted outcome (sum of R^) separates the batch's wins from its losses
-    under the policy's drift (AUC; nan for a batch of one outcome)."""
+    (AUC; nan for a batch of one outcome): online, under the policy's drift; with --rl-data
+    explore mostly on the SPRM's own training data."""
     shares = defaultdict(list)
     sums = {True: [], False: []}
     z_all = []
@@ -1158,14 +1161,15 @@ def collect(args: Args, policy: Policy, tasks: list) -> list[dict]:
     return trajs
 
 
-# A reply that degenerates: a piece of 4+ characters said 3+ times in a row.
-REPEATED_TEXT_RE = re.compile(r"(.{4,}?)\1{2,}", re.DOTALL)
+# A reply that degenerates: a piece of 3-200 characters, starting with a letter or digit, said
+# 3 times in a row with nothing but punctuation or spaces between.
+REPEATED_TEXT_RE = re.compile(r"(\w.{2,199}?)(?:\W*\1){2}", re.DOTALL)
 
 
 def repeats_itself(reply: str) -> bool:
     """Whether a reply degenerates into repeated text inside itself (REPEATED_TEXT_RE, after
-    white space is collapsed): "look look look look" -> True; "<action>go to desk 1</action>"
-    -> False."""
+    white space is collapsed): "go to desk 1, go to desk 1, go to desk 1" -> True;
+    "<action>go to desk 1</action>" -> False."""
     return REPEATED_TEXT_RE.search(" ".join(reply.split())) is not None
 
 
@@ -1208,6 +1212,7 @@ def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list
             seg_ids = torch.tensor(trajs[i]["seg_ids"])
             encoded[i] = (ids, mask, segment_ends(seg_ids).tolist())
     too_long = len(train) + len(heldout) - len(encoded)
+    heldout_too_long = sum(i not in encoded for i in heldout)  # long failures, mostly: counted
     train = [i for i in train if i in encoded]
     heldout = [i for i in heldout if i in encoded]
     if not train:
@@ -1241,7 +1246,8 @@ def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list
     progress.close()
     freeze(sprm, head)
     stats = {"sprm/train_loss": float(np.mean(losses[-per_epoch:])),
-             "sprm/trajectories": len(train), "sprm/skipped_too_long": too_long}
+             "sprm/trajectories": len(train), "sprm/skipped_too_long": too_long,
+             "sprm/heldout_skipped_too_long": heldout_too_long}
     if heldout:
         with torch.no_grad():
             scores = [s for k in range(0, len(heldout), args.sprm_batch_size)
@@ -1389,26 +1395,43 @@ def auxiliary_copy(args: Args, start_model, targets):
     return add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
 
 
-def save_reward_models(path: str, sprm, head, hindsight, full_params: bool) -> None:
-    """The trained SPRM (weights or adapter, and head.pt) and hindsight model under path/."""
+# What the reward models' inputs and data depend on: a run that loads them must read alike.
+READING = ("segmenter", "hindsight_admissible", "collect_filter")
+
+
+def save_reward_models(path: str, sprm, head, hindsight, args: Args) -> None:
+    """The trained SPRM (weights or adapter, and head.pt) and hindsight model under path/, with
+    reading.json: the settings of READING they were trained with."""
     for name, model in (("sprm", sprm), ("hindsight", hindsight)):
         os.makedirs(os.path.join(path, name), exist_ok=True)
-        if full_params:
+        if args.aux_full_params:
             torch.save(model.state_dict(), os.path.join(path, name, "model.pt"))
         else:
             model.save_pretrained(os.path.join(path, name))
     torch.save(head.state_dict(), os.path.join(path, "sprm", "head.pt"))
+    with open(os.path.join(path, "reading.json"), "w") as f:
+        json.dump({name: getattr(args, name) for name in READING}, f, indent=1)
 
 
 def load_reward_models(args: Args, start_model, path: str):
-    """(SPRM, head, hindsight model), frozen, from a directory save_reward_models wrote."""
+    """(SPRM, head, hindsight model), frozen, from a directory save_reward_models wrote; refused
+    when they were trained with other settings of READING than args."""
     found = os.path.join(path, "sprm", "head.pt")
     weights = "model.pt" if args.aux_full_params else "adapter_config.json"
+    reading = os.path.join(path, "reading.json")
     missing = [p for p in (found, os.path.join(path, "sprm", weights),
-                           os.path.join(path, "hindsight", weights)) if not os.path.isfile(p)]
+                           os.path.join(path, "hindsight", weights), reading)
+               if not os.path.isfile(p)]
     if missing:
         raise UsageError(f"--reward-models {path}: {', '.join(missing)} missing (not a "
-                         "reward_models/ directory of hisr.py with the same --aux-full-params?)")
+                         "reward_models/ directory of hisr.py with the same --aux-full-params, "
+                         "or one written before reading.json existed?)")
+    with open(reading) as f:
+        trained = json.load(f)
+    differ = [f"--{n.replace('_', '-')} {trained.get(n)!r} (this run: {getattr(args, n)!r})"
+              for n in READING if trained.get(n) != getattr(args, n)]
+    if differ:
+        raise UsageError(f"--reward-models {path} were trained with " + ", ".join(differ))
     models = []
     for name in ("sprm", "hindsight"):
         model = copy.deepcopy(start_model).float()
@@ -1944,7 +1967,7 @@ def main(args: Args) -> dict:
         if args.advantage == "hisr" and args.reward_models is None and not args.resume:
             errors.append("collection and the reward models' training run in one process: run "
                           "`python hisr.py ... --iterations 0` once, then launch RL with "
-                          "--reward-models <its run>/reward_models")
+                          "--reward-models <its run>/reward_models (online)")
         if args.rl_data == "explore":
             errors.append("--rl-data explore runs in one process")
         if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
@@ -2157,14 +2180,15 @@ def main(args: Args) -> dict:
                   f"(success {stats['collect/kept_success']:.3f}), "
                   f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
             if "sprm/heldout_mse" in stats and "hindsight/heldout_nll_hindsight" in stats:
-                print(f"  held out ({len(heldout)} rollouts, unfiltered): SPRM AUC "
+                print(f"  held out ({len(heldout)} rollouts, unfiltered; "
+                      f"{stats['sprm/heldout_skipped_too_long']} too long for the SPRM): SPRM AUC "
                       f"{stats['sprm/heldout_auc']:.3f}, MSE {stats['sprm/heldout_mse']:.4f} "
                       f"(a constant: {stats['sprm/heldout_mse_of_constant']:.4f}); hindsight "
                       f"NLL per token {stats['hindsight/heldout_nll_hindsight']:.4f} (the "
                       f"policy: {stats['hindsight/heldout_nll_start_policy']:.4f})")
             log(stats, 0)
             if dist.is_main_process:
-                save_reward_models(aux_path, sprm, sprm_head, hindsight, args.aux_full_params)
+                save_reward_models(aux_path, sprm, sprm_head, hindsight, args)
             dist.wait_for_everyone()
         del aux_start
     optimizer = torch.optim.AdamW(

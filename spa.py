@@ -31,7 +31,9 @@ Where this script chooses, or departs from the paper and its released code (spec
   * Grounding as a cost by default, beta * (g_t - 1): 0 for an executable action, -beta for an
     inadmissible one. It differs from Eq. 8 by a constant per step; Eq. 8 as written pays for
     length online (SPA online lost 0.22 of the start's success while episodes grew, docs/spa.md).
-    `--grounding-form eq8` is Eq. 8 as written.
+    The cost form is also the default in explore mode, where the released code pays Eq. 8: with
+    GAE a constant per step still credits the actions of longer (mostly failed) rollouts, offline
+    too. `--grounding-form eq8` is Eq. 8 as written.
   * Critic: a Linear(H, 1) value head on the policy's final hidden state at the last prompt token
     of each step (the position that predicts the action's first token), backbone and LoRA shared
     with the policy, zero-initialised (V = 0 at the start), clipped value loss with coefficient
@@ -155,7 +157,7 @@ class Args:
 
     # Reward: the method and the baseline it is compared against.
     advantage: Literal["spa", "ppo"] = "spa"
-    """spa: GAE over the fused reward alpha * c_t + beta * g_t (Eq. 8); ppo: GAE over the sparse
+    """spa: GAE over alpha * c_t + the --grounding-form term (Eq. 8); ppo: GAE over the sparse
     outcome (1 at the last step of a success), no progress estimator (the paper's PPO)"""
     progress_weight: float = 1.0
     """alpha, weight of the PE contribution c_t (Eq. 8); 0 = the "w/o stepwise progress"
@@ -195,7 +197,8 @@ class Args:
     explore_temperature: float = 0.7
     """sampling temperature of the exploration rollouts"""
     progress_model: str | None = None
-    """directory of a trained PE (a run's progress_model/): skips exploration and PE training"""
+    """directory of a trained PE (a run's progress_model/): with --rl-data online, skips
+    exploration and PE training"""
     pe_epochs: int = 2
     """epochs of PE training over the exploration rollouts [preset: tiny 2 | real 1]"""
     pe_learning_rate: float = 1e-4
@@ -1415,9 +1418,10 @@ def main(args: Args) -> dict:
         if args.advantage == "spa" and args.progress_model is None and not args.resume:
             errors.append("exploration and the progress estimator's training run in one "
                           "process: run `python spa.py ... --iterations 0` once, then launch RL "
-                          "with --progress-model <its run>/progress_model")
+                          "with --rl-data online --progress-model <its run>/progress_model")
         if args.rl_data == "explore":
-            errors.append("--rl-data explore runs in one process")
+            errors.append("--rl-data explore runs in one process (with several: --rl-data "
+                          "online)")
         if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
             errors.append("--backend vllm runs in one process; with several, use --backend hf")
         per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", dist.num_processes))

@@ -349,12 +349,12 @@ def hisr_scored(batch: Batch, reading: str = "new") -> tuple[hisr.Args, list[dic
     return batch.cache[key]
 
 
-def hisr_credit(batch: Batch, reading: str) -> tuple[list[Tensor], str]:
-    """HISR's first-iteration advantage under HISR_READINGS[reading]: hisr.compute_advantages on
-    the scored groups; the steps of the groups HISR did not score get NaN (left out of every
-    figure)."""
+def hisr_credit(batch: Batch, reading: str, **change) -> tuple[list[Tensor], str]:
+    """HISR's first-iteration advantage under HISR_READINGS[reading] (and `change`, settings of
+    the reward only): hisr.compute_advantages on the scored groups; the steps of the groups HISR
+    did not score get NaN (left out of every figure)."""
     args, summaries, data = hisr_scored(batch, reading)
-    advantages, _ = hisr.compute_advantages(args, summaries)
+    advantages, _ = hisr.compute_advantages(replace(args, **change), summaries)
     scored = iter(advantages)
     return [torch.as_tensor(next(scored), dtype=torch.float64) if k < batch.budget.hisr_tasks
             else torch.full((len(t["steps"]),), float("nan"))
@@ -533,6 +533,7 @@ ESTIMATORS = {
     "spa-eq8": lambda batch: spa_first_iteration(batch, "spa", "eq8"),
     "spa": lambda batch: spa_first_iteration(batch, "spa"),
     "hisr-literal": lambda batch: hisr_credit(batch, "literal"),
+    "hisr-eq8": lambda batch: hisr_credit(batch, "new", grounding_form="eq8"),
     "hisr": lambda batch: hisr_credit(batch, "new"),
     "rloo": rloo_credit,
     "istar": istar_credit,
@@ -546,6 +547,7 @@ LABELS = {"admissible": "admissible steps only (reference)", "grpo": "GRPO (prox
           "ppo": "PPO (spa.py)", "spa-eq8": "SPA, Eq. 8 as written (spa.py)",
           "spa": "SPA, grounding as a cost (spa.py)",
           "hisr-literal": "HISR, the literal reading (hisr.py)",
+          "hisr-eq8": "HISR, as revised but Eq. 8 as written (hisr.py)",
           "hisr": "HISR, as revised (hisr.py)",
           "rloo": "RLOO (istar.py)", "istar": "iStar (istar.py)",
           "istar-rewards": "iStar step rewards (istar.py)",

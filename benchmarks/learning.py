@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -107,6 +108,9 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
             raise SystemExit(f"{run_path} ran {key} {ran.get(key)!r}, not {value!r}")
     if os.path.basename(script) not in config["command"]:
         raise SystemExit(f"{run_path} is a run of {config['command']!r}, not of {script}")
+    if shlex.join(flags) not in config["command"]:
+        raise SystemExit(f"{run_path} ran {config['command']!r}, not with the flags "
+                         f"{shlex.join(flags)!r}")
     seconds = os.path.getmtime(summary_file) - os.path.getmtime(os.path.join(run_path,
                                                                               "config.json"))
     return {"script": script, "estimator": estimator, "seed": seed, "split": split,

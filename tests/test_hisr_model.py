@@ -5,11 +5,13 @@ saved reward models that load back to the same scores."""
 
 import copy
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 import envs
+from common import UsageError
 from common.model import load_model_and_tokenizer, response_logprobs
 from hisr import (CLOZE_TEXTS, Args, Policy, SegmentRewardHead, action_end_positions,
                   cloze_messages, cloze_texts, encode_cloze, encode_transcript,
@@ -80,6 +82,10 @@ def test_the_cloze_hides_one_reply_and_shows_the_rest_and_the_outcome(tiny, mode
     first = cloze_messages(traj, replies, 0, range(len(traj["steps"])), texts)
     assert first[0]["content"].endswith("Admissible actions: "
                                         + ", ".join(traj["steps"][0]["admissible"]))
+    cut = cloze_messages(traj, replies, 2, range(2, len(traj["steps"])), texts)  # turns 0-1 cut
+    assert cut[0]["content"].endswith("Admissible actions: "
+                                      + ", ".join(traj["steps"][2]["admissible"]))
+    assert cut[1] == {"role": "assistant", "content": hidden}
 
 
 def test_a_segment_score_sees_no_later_turn(tiny):
@@ -177,20 +183,23 @@ def test_the_collection_filter():
     assert not keep_for_training(loop, replies(loop), loops=True)
     assert keep_for_training(ok, replies(ok), loops=True)
     assert keep_for_training(almost, replies(almost), loops=True)
-    babble = ["<action>look</action>", "<action>go to go to go to go to desk 1</action>",
+    babble = ["<action>look</action>", "<action>go to go to go to desk 1</action>",
               "<action>look</action>"]
     assert not keep_for_training(ok, babble)
 
 
 def test_a_reply_repeating_itself():
-    """A piece of 4+ characters 3+ times in a row, white space collapsed."""
-    assert repeats_itself("look look look look")
-    assert repeats_itself("<action>go to go to go to go to</action>")  # "go to " x 3
-    assert repeats_itself("abcd\nabcd  abcd abcd")  # "abcd " x 3 once collapsed
-    assert not repeats_itself("go to go to go to")  # the third "go to " is not whole
+    """A piece of 3+ characters, from a letter or digit, 3 times in a row, only punctuation or
+    white space between."""
+    assert repeats_itself("look look look")
+    assert repeats_itself("<action>go to go to go to</action>")
+    assert repeats_itself("go to cabinet 1, go to cabinet 1, go to cabinet 1")
+    assert repeats_itself("Step 1.\nStep 1.   Step 1.")
+    assert repeats_itself("hmm hmm hmm")
     assert not repeats_itself("<action>go to desk 1</action>")
     assert not repeats_itself("<action>open drawer 11</action>")  # "1" x 2: too short
     assert not repeats_itself("look look")  # twice is not degenerate
+    assert not repeats_itself("Step 1. Step 2. Step 3.")
     assert not repeats_itself("")
 
 
@@ -220,7 +229,10 @@ def test_saved_reward_models_load_back_to_the_same_scores(tiny, tmp_path, full_p
     before = copy.deepcopy(trajs)
     score_segments(args, sprm, head, tokenizer, before)
     score_hindsight(args, hindsight, tokenizer, before)
-    save_reward_models(str(tmp_path), sprm, head, hindsight, full_params)
+    save_reward_models(str(tmp_path), sprm, head, hindsight, args)
+    for other in (replace(args, segmenter="turns"), replace(args, hindsight_admissible=False)):
+        with pytest.raises(UsageError, match="were trained with"):
+            load_reward_models(other, model, str(tmp_path))
     sprm2, head2, hindsight2 = load_reward_models(args, model, str(tmp_path))
     assert not any(p.requires_grad for p in [*sprm2.parameters(), *hindsight2.parameters()])
     after = copy.deepcopy(trajs)

@@ -401,3 +401,13 @@ def test_outcome_auc_by_hand():
     assert outcome_auc(T([0.9, 0.2, 0.5, 0.5]), won) == pytest.approx(0.875)
     assert outcome_auc(T([0.1, 0.2, 0.5, 0.05]), won) == pytest.approx(0.0)
     assert math.isnan(outcome_auc(T([0.1, 0.2]), T([True, True])))
+
+
+def test_the_ppo_baseline_has_no_grounding_term():
+    """--advantage ppo: the sparse outcome minus the KL penalty, whatever --grounding-form and
+    --him-scale say (r = (0, 0, 1), V = 0: A = (0.9405^2, 0.9405, 1))."""
+    runs = [compute_advantages(Args(advantage="ppo", normalize_advantages=False, **kw),
+                               [summary_of_three_turns()])[0][0]
+            for kw in ({}, {"grounding_form": "eq8", "him_scale": "unit"})]
+    close(runs[0], [0.88454025, 0.9405, 1.0])
+    close(runs[1], runs[0])

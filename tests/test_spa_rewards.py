@@ -267,7 +267,8 @@ def test_the_ppo_baselines_of_spa_and_hisr_are_one_update():
     the same advantages and returns on one batch (sparse outcome minus the KL penalty, GAE,
     whitened), and the same tiny defaults for every setting both scripts have, but the method's
     own and where RL data come from. With the harness and policy_update tested identical, one set
-    of PPO runs serves both methods."""
+    of online PPO runs serves both methods (an explore-mode PPO trains on its own script's
+    exploration or collection)."""
     import hisr
     import spa
 
