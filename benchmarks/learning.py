@@ -37,9 +37,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The protocol's training budget on top of the script's tiny defaults, fixed beforehand so that a
 # run takes about 12 minutes on 2 cores; the hyperparameters themselves were not tuned.
 PROTOCOL_FLAGS = ["--iterations", "20", "--tasks-per-iteration", "8"]
-# A script's additions to the protocol: SPA trains on its exploration rollouts by default, 160
-# tasks x 8 = the 1,280 episodes of an online run.
-SCRIPT_FLAGS = {"spa.py": ["--explore-num-tasks", "160"]}
+# A script's additions to the protocol: the regime chosen on the valid split (docs/spa.md: SPA
+# online with grounding as a cost gained more than on its exploration rollouts, the released
+# code's regime and spa.py's default).
+SCRIPT_FLAGS = {"spa.py": ["--rl-data", "online"]}
+# A baseline that is one run in two scripts: spa.py's and hisr.py's online PPO make the same
+# update from the same start (tests/test_spa_rewards.py), so spa.py's protocol reads, and runs,
+# hisr.py's PPO (only without extra flags, which would make other runs).
+SHARED = {("spa.py", "ppo"): "hisr.py"}
 # Each script's values of --advantage: the method first, then its baselines.
 ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"],
               "istar.py": ["istar", "rloo", "grpo"], "hisr.py": ["hisr", "ppo"],
@@ -189,8 +194,8 @@ def gain(record: dict, key: str) -> tuple[float, float]:
 def table(script: str, split: str, results: dict[str, dict[int, dict]]) -> str:
     """Markdown: one row per estimator, one per estimator and task type."""
     lines = ["| script | estimator | seeds | start success | after RL | gain +- SE | "
-             "grounding start -> end | minutes per run |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "grounding start -> end | episode length start -> end | minutes per run |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     per_type = []
     for estimator, runs in results.items():
         records = list(runs.values())
@@ -204,9 +209,11 @@ def table(script: str, split: str, results: dict[str, dict[int, dict]]) -> str:
 
         start, end, change = cell(f"eval_{split}/success")
         g_start, g_end, _ = cell(f"eval_{split}/grounding")
+        steps = [gain(r, f"eval_{split}/episode_length") for r in records]
+        s_start, s_end = (mean_and_se([pair[k] for pair in steps])[0] for k in (0, 1))
         minutes, _ = mean_and_se([r["minutes"] for r in records])
         lines.append(f"| {script} | {estimator} | {len(records)} | {start} | {end} | {change} | "
-                     f"{g_start} -> {g_end} | {minutes:.1f} |")
+                     f"{g_start} -> {g_end} | {s_start:.1f} -> {s_end:.1f} | {minutes:.1f} |")
         types = sorted(k.rsplit("_", 1)[1] for k in records[0]["evaluations"]["0"]
                        if k.startswith(f"eval_{split}/success_"))
         for task_type in types:
@@ -330,23 +337,31 @@ def main(argv: list[str]) -> str:
         args.estimators = ESTIMATORS[args.script]
     if args.eval_num_tasks < 0:
         parser.error("--eval-num-tasks must be >= 0")
-    flags = PROTOCOL_FLAGS + SCRIPT_FLAGS.get(args.script, []) + extra
-    if args.eval_num_tasks:
-        extra = extra + [f"eval{args.eval_num_tasks}"]
-    where = os.path.join(args.split, args.script)
-    if extra:  # runs with other flags are other runs
-        where = os.path.join(where, "-".join(re.sub(r"[^\w.=-]+", "", e.lstrip("-"))
-                                             for e in extra))
-    records_dir = args.results or os.path.join(ROOT, "benchmarks", "results", "learning", where)
-    runs_dir = os.path.abspath(os.path.join(args.runs, where))
+    def places(script: str) -> tuple[list[str], str, str]:
+        """A script's protocol flags, records directory and runs directory."""
+        named = extra + ([f"eval{args.eval_num_tasks}"] if args.eval_num_tasks else [])
+        where = os.path.join(args.split, script)
+        if named:  # runs with other flags are other runs
+            where = os.path.join(where, "-".join(re.sub(r"[^\w.=-]+", "", e.lstrip("-"))
+                                                 for e in named))
+        records = args.results or os.path.join(ROOT, "benchmarks", "results", "learning", where)
+        return (PROTOCOL_FLAGS + SCRIPT_FLAGS.get(script, []) + extra, records,
+                os.path.abspath(os.path.join(args.runs, where)))
+
+    flags, records_dir, runs_dir = places(args.script)
     results: dict[str, dict[int, dict]] = {}
     for estimator in args.estimators:
+        script = args.script
+        if (args.script, estimator) in SHARED and not extra and args.results is None:
+            script = SHARED[args.script, estimator]
+            print(f"{estimator}: {script}'s runs (the same update)", flush=True)
+        run_flags, run_records, run_runs = places(script)
         for seed in args.seeds:
-            if args.finished_only and not finished(records_dir, runs_dir, estimator, seed):
+            if args.finished_only and not finished(run_records, run_runs, estimator, seed):
                 continue
             results.setdefault(estimator, {})[seed] = run_one(
-                args.script, estimator, seed, args.split, args.eval_num_tasks, runs_dir,
-                records_dir, flags)
+                script, estimator, seed, args.split, args.eval_num_tasks, run_runs,
+                run_records, run_flags)
     if not results:
         raise SystemExit(f"no finished run in {records_dir} or {runs_dir}")
     pairs = paired_differences(args.split, results)

@@ -21,9 +21,9 @@ from learning import (PROTOCOL_FLAGS, mean_and_se, paired_differences,  # noqa: 
 def _record(start, end, minutes=10.0):
     return {"minutes": minutes, "train_success": [0.5, 0.6], "evaluations": {
         "0": {"eval_test/success": start, "eval_test/grounding": 0.5,
-              "eval_test/success_heat": start},
+              "eval_test/episode_length": 20.0, "eval_test/success_heat": start},
         "10": {"eval_test/success": end, "eval_test/grounding": 0.7,
-               "eval_test/success_heat": end}}}
+               "eval_test/episode_length": 18.5, "eval_test/success_heat": end}}}
 
 
 def test_mean_and_standard_error_by_hand():
@@ -39,8 +39,8 @@ def test_table_pairs_each_seed_start_with_its_end():
     markdown = table("proxmo.py", "test",
                      {"proxmo": {1: _record(0.30, 0.35, 10.0), 2: _record(0.40, 0.41, 12.0)}})
     # gains 0.05 and 0.01: mean 0.03, SE = |0.05 - 0.01| / 2 = 0.02
-    assert ("| proxmo.py | proxmo | 2 | 0.350 | 0.380 | +0.030 +- 0.020 | 0.500 -> 0.700 | 11.0 |"
-            in markdown)
+    assert ("| proxmo.py | proxmo | 2 | 0.350 | 0.380 | +0.030 +- 0.020 | 0.500 -> 0.700 | "
+            "20.0 -> 18.5 | 11.0 |" in markdown)
     assert "| proxmo | heat | 0.350 | 0.380 | +0.030 +- 0.020 |" in markdown
 
 
