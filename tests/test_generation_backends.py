@@ -204,7 +204,7 @@ def install_stand_in_vllm(monkeypatch):
 
 SMALL = dict(eval_num_tasks=4, tasks_per_iteration=2, group_size=3, max_episode_steps=4,
              eval_every=1, save_every=1, iterations=1, minibatch_size=16)
-EXTRA = {"spa": dict(explore_num_tasks=4, explore_rollouts=2),
+EXTRA = {"spa": dict(explore_num_tasks=4, explore_rollouts=2, rl_data="online"),
          "hisr": dict(collect_num_tasks=4, collect_rollouts=2),
          "sspo": dict(generations_per_task=12, max_rollouts=3),
          "proxmo": {}, "istar": dict(max_episode_steps=12, group_size=4)}  # wins give pairs
