@@ -46,9 +46,8 @@ Where this script chooses, or departs from the paper (no code was released; spec
     (the paper's case studies match it, L2 does not), times the SPRM's L1 mass (--him-scale
     sprm, default), so that a trajectory's rewards keep its predicted outcome (App. C; every
     case study is a win where the two agree); `--him-scale unit`, Eq. 7 as written, gives every
-    trajectory mass 1, won or lost.
-    A segment's modulated reward lands on its last turn (--him-placement uniform spreads it).
-    "w/o HIM" (--no-use-hindsight) keeps Eq. 7 with z = 1.
+    trajectory mass 1, won or lost. A segment's modulated reward lands on its last turn
+    (--him-placement uniform spreads it). "w/o HIM" (--no-use-hindsight) keeps Eq. 7 with z = 1.
   * Grounding as a cost by default, alpha * (g_t - 1), g_t the environment's admissibility flag:
     0 for an admissible action, -alpha for another. It differs from Eq. 8 by a constant per
     turn; Eq. 8 as written pays for length online (HISR went to 0 % success, every episode at the
