@@ -1394,6 +1394,45 @@ def auxiliary_copy(args: Args, start_model, targets):
     return add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
 
 
+def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict],
+                        targets) -> tuple:
+    """(SPRM, head, hindsight model, statistics) trained on the collection (Eqs. 2-4), frozen.
+    Writes "seg_ids" into every trajectory; whole tasks are held out (split_heldout), every
+    rollout of them, filtered or not, as RL will see them; the rest of the kept trajectories
+    (keep_for_training) train the SPRM and then the hindsight model, each on a copy of the
+    start (auxiliary_copy)."""
+    for t in collected:
+        t["seg_ids"] = trajectory_segments(args, t)
+    replies = [tokenizer.batch_decode([s["response_ids"] for s in t["steps"]],
+                                      skip_special_tokens=True) for t in collected]
+    kept = [keep_for_training(t, r, args.collect_filter == "loops")
+            for t, r in zip(collected, replies)]
+    tasks_train, heldout = split_heldout(collected, args.aux_heldout,
+                                         random.Random(args.seed + 3))
+    train = [i for i in tasks_train if kept[i]]
+    if not train:
+        raise UsageError(f"the collection filter (--collect-filter {args.collect_filter}) left "
+                         f"none of the {len(tasks_train)} collected trajectories of the training "
+                         "tasks; raise --collect-num-tasks or --collect-rollouts")
+    stats = {"collect/success": float(np.mean([t["won"] for t in collected])),
+             "collect/kept": sum(kept),
+             "collect/kept_share": float(np.mean(kept)),
+             "collect/kept_success": float(np.mean(
+                 [t["won"] for t, k in zip(collected, kept) if k])),
+             "collect/segments_per_trajectory": float(np.mean(
+                 [max(t["seg_ids"]) + 1 for t in collected])),
+             "aux/trained_on": len(train), "aux/heldout": len(heldout)}
+    device = next(start_model.parameters()).device
+    sprm = auxiliary_copy(args, start_model, targets)
+    head = SegmentRewardHead(start_model.config.hidden_size).to(device)
+    stats.update(train_sprm(args, sprm, head, tokenizer, collected, train, heldout,
+                            random.Random(args.seed + 4)))
+    hindsight = auxiliary_copy(args, start_model, targets)
+    stats.update(train_hindsight(args, hindsight, start_model, tokenizer, collected, train,
+                                 heldout, random.Random(args.seed + 5)))
+    return sprm, head, hindsight, stats
+
+
 # What the reward models' inputs and data depend on: a run that loads them must read alike.
 READING = ("segmenter", "hindsight_admissible", "collect_filter")
 
@@ -2145,41 +2184,16 @@ def main(args: Args) -> dict:
             sprm, sprm_head, hindsight = load_reward_models(args, aux_start,
                                                             args.reward_models or aux_path)
         else:
-            for t in collected:
-                t["seg_ids"] = trajectory_segments(args, t)
-            replies = [tokenizer.batch_decode([s["response_ids"] for s in t["steps"]],
-                                              skip_special_tokens=True) for t in collected]
-            kept = [keep_for_training(t, r, args.collect_filter == "loops")
-                    for t, r in zip(collected, replies)]
-            # Whole tasks held out, every rollout of them (filtered or not), as RL will see them.
-            tasks_train, heldout = split_heldout(collected, args.aux_heldout,
-                                                 random.Random(args.seed + 3))
-            train = [i for i in tasks_train if kept[i]]
-            if not train:
-                raise UsageError(f"the collection filter (--collect-filter {args.collect_filter}) "
-                                 f"left none of the {len(tasks_train)} collected trajectories of "
-                                 "the training tasks; raise --collect-num-tasks or "
-                                 "--collect-rollouts")
-            stats = {"collect/success": float(np.mean([t["won"] for t in collected])),
-                     "collect/kept_share": float(np.mean(kept)),
-                     "collect/kept_success": float(np.mean(
-                         [t["won"] for t, k in zip(collected, kept) if k])),
-                     "collect/segments_per_trajectory": float(np.mean(
-                         [max(t["seg_ids"]) + 1 for t in collected]))}
-            sprm = auxiliary_copy(args, aux_start, targets)
-            sprm_head = SegmentRewardHead(model.config.hidden_size).to(device)
-            stats.update(train_sprm(args, sprm, sprm_head, tokenizer, collected, train, heldout,
-                                    random.Random(args.seed + 4)))
-            hindsight = auxiliary_copy(args, aux_start, targets)
-            stats.update(train_hindsight(args, hindsight, aux_start, tokenizer, collected, train,
-                                         heldout, random.Random(args.seed + 5)))
+            sprm, sprm_head, hindsight, stats = train_reward_models(args, aux_start, tokenizer,
+                                                                    collected, targets)
             stats["aux/seconds"] = time.time() - t0
             print(f"reward models done in {stats['aux/seconds']:.0f}s: collection success "
-                  f"{stats['collect/success']:.3f}, kept {sum(kept)} of {len(collected)} "
+                  f"{stats['collect/success']:.3f}, kept {stats['collect/kept']} of "
+                  f"{len(collected)} "
                   f"(success {stats['collect/kept_success']:.3f}), "
                   f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
             if "sprm/heldout_mse" in stats and "hindsight/heldout_nll_hindsight" in stats:
-                print(f"  held out ({len(heldout)} rollouts, unfiltered; "
+                print(f"  held out ({stats['aux/heldout']} rollouts, unfiltered; "
                       f"{stats['sprm/heldout_skipped_too_long']} too long for the SPRM): SPRM AUC "
                       f"{stats['sprm/heldout_auc']:.3f}, MSE {stats['sprm/heldout_mse']:.4f} "
                       f"(a constant: {stats['sprm/heldout_mse_of_constant']:.4f}); hindsight "

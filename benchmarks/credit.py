@@ -299,11 +299,10 @@ HISR_READINGS = {"new": {},
 
 def hisr_scored(batch: Batch, reading: str = "new") -> tuple[hisr.Args, list[dict], str]:
     """hisr.py's steps before its first update (tiny preset with HISR_READINGS[reading]):
-    hisr.collect of the start, keep_for_training, trajectory_segments, split_heldout (whole
-    tasks, unfiltered), train_sprm and train_hindsight on copies of the start (auxiliary_copy),
-    then on the batch's first budget.hisr_tasks groups score_segments and score_hindsight, with
-    the recorded old log-probs, V = 0 (the zero critic of iteration 1) and step KL 0 (the zero
-    adapter). Computed once a batch and reading; the collection is the same for both."""
+    hisr.collect of the start and hisr.train_reward_models, then on the batch's first
+    budget.hisr_tasks groups score_segments and score_hindsight, with the recorded old log-probs,
+    V = 0 (the zero critic of iteration 1) and step KL 0 (the zero adapter). Computed once a
+    batch and reading; the collection is the same for both."""
     key = f"hisr-{reading}"
     if key in batch.cache:
         return batch.cache[key]
@@ -316,35 +315,22 @@ def hisr_scored(batch: Batch, reading: str = "new") -> tuple[hisr.Args, list[dic
         torch.manual_seed(args.seed)
         tasks = random.Random(args.seed + 2).sample(train_tasks, args.collect_num_tasks)
         collected = hisr.collect(args, hisr.Policy(args, batch.model, batch.tokenizer), tasks)
-        for t in collected:
-            t["seg_ids"] = hisr.trajectory_segments(args, t)
-        kept = [hisr.keep_for_training(t, batch.tokenizer.batch_decode(
-                    [s["response_ids"] for s in t["steps"]], skip_special_tokens=True),
-                    args.collect_filter == "loops") for t in collected]
-        tasks_train, heldout = hisr.split_heldout(collected, args.aux_heldout,
-                                                  random.Random(args.seed + 3))
-        train = [i for i in tasks_train if kept[i]]
-        sprm = hisr.auxiliary_copy(args, batch.model, targets)
-        head = hisr.SegmentRewardHead(batch.model.config.hidden_size)
-        fit = hisr.train_sprm(args, sprm, head, batch.tokenizer, collected, train, heldout,
-                              random.Random(args.seed + 4))
-        hindsight = hisr.auxiliary_copy(args, batch.model, targets)
-        fit.update(hisr.train_hindsight(args, hindsight, batch.model, batch.tokenizer,
-                                        collected, train, heldout, random.Random(args.seed + 5)))
+        sprm, head, hindsight, fit = hisr.train_reward_models(args, batch.model, batch.tokenizer,
+                                                              collected, targets)
     trajs = [{**t, "steps": [{**s, "old_logprobs": torch.tensor(s["logprobs"]), "value": 0.0,
                               "step_kl": 0.0} for s in t["steps"]]}
              for t, k in zip(batch.trajs, batch.task_index) if k < batch.budget.hisr_tasks]
     hisr.score_segments(args, sprm, head, batch.tokenizer, trajs)
     hisr.score_hindsight(args, hindsight, batch.tokenizer, trajs)
     nan = float("nan")
-    held = (f"{len(heldout)} held out, unfiltered: SPRM AUC "
+    held = (f"{fit['aux/heldout']} held out, unfiltered: SPRM AUC "
             f"{fit.get('sprm/heldout_auc', nan):.2f}, hindsight NLL "
             f"{fit.get('hindsight/heldout_nll_hindsight', nan):.2f} (policy "
             f"{fit.get('hindsight/heldout_nll_start_policy', nan):.2f})")
     data = (f"own collection, {args.collect_num_tasks} tasks x {args.collect_rollouts} (hisr.py: "
             f"{hisr.preset_args('tiny', 'household').collect_num_tasks} x "
-            f"{args.collect_rollouts}), {len(train)} trained on, {held}; V = 0; the first "
-            f"{min(batch.budget.hisr_tasks, len(batch.task_ids))} task groups")
+            f"{args.collect_rollouts}), {fit['aux/trained_on']} trained on, {held}; V = 0; the "
+            f"first {min(batch.budget.hisr_tasks, len(batch.task_ids))} task groups")
     batch.cache[key] = args, [hisr.summarize(t) for t in trajs], data
     return batch.cache[key]
 
