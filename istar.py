@@ -28,22 +28,27 @@ Where this script chooses, or departs from the paper and its released code (spec
   * Step rewards are divided by the batch's max |r| + 1e-6 before the advantages
     (`--step-reward-scale max_abs`, the code's default; the DPO step uses raw rewards).
   * RLOO step baseline: the mean of all the group's other steps (the code's de-duplicated
-    version is a bug, spec section 2). GRPO: Bessel std + 1e-6, as the paper (the code's GRPO
-    mode skips the std: --no-use-std). A group of one keeps its raw values (veRL's rule), and a
-    set of equal values gives exactly 0 in both estimators.
+    version is a bug, spec section 2). iStar's GRPO only centres both terms, as the code's
+    mean_norm (--use-std: the paper's z-score, Bessel std + 1e-6); --advantage grpo z-scores.
+    A group of one keeps its raw values (veRL's rule), and a set of equal values gives
+    exactly 0 in both estimators.
   * Loss: token-level ratio, clip 0.2, token-mean (the code's default); the code's entropy bonus
     0.001 and dual clip 3 are off (--entropy-coef, --clip-ratio-c); no KL (--kl-coef 0). The
     spec's GSPO-style step-level ratio is not built.
   * Outcome: r_o = 10 for a won episode, 0 for a lost one (--success-reward, the code's 10 on
     WebShop and Sokoban). It sets the RLOO episode term's scale against the rescaled step term
-    (|r| <= 1); GRPO is scale-free. DPO positives: the won episodes.
+    (|r| <= 1), also in iStar's GRPO (centred only); the z-score is scale-free. DPO positives:
+    the won episodes.
   * Invalid replies: the harness's rule for every script, --invalid-action-penalty subtracted
     from the advantage of each malformed reply after all normalisation, not the spec's -0.1 env
     reward inside r_o (which would make a won trajectory with many invalid replies a negative).
-  * Learning rates: LoRA rates, not the paper's full fine-tuning ones; the PRM's is twice the
-    policy's, the paper's ratio (1e-6 / 5e-7). Policy weight decay 0 (the code: 0.01), as every
-    script here. The baselines (--advantage rloo / grpo) take their old log-probs as recorded at
-    sampling; only iStar needs them recomputed.
+  * Learning rates: LoRA rates, not the paper's full fine-tuning ones, in the code's relation
+    (run_webshop.sh: iStar 5e-7, PRM 1e-6, RLOO / GRPO 1e-6): iStar's policy at half the
+    baselines' rate, the PRM at twice iStar's; `--step-weight 0` runs at iStar's rates.
+    Policy weight decay 0 (the code: 0.01), as every script here. The baselines (--advantage
+    rloo / grpo) take their old log-probs as recorded at sampling; only iStar recomputes them.
+  * Logged: the PRM's pairwise accuracy before its step (the code's dpo_acc_before; over the
+    batch's pairs, a tie 1/2) and the step term's share of |A| in uniform and in mixed groups.
   * A batch without any won-lost pair (or --group-size 1) leaves the PRM as it is, but its step
     rewards are not 0 once the policy has moved: r_t then measures the policy's drift from the
     PRM, and the step term pulls the policy back toward it.
@@ -59,7 +64,7 @@ Where this script chooses, or departs from the paper and its released code (spec
 Run:
     python istar.py                         # tiny model, built-in household, CPU, minutes
     python istar.py --advantage rloo        # the baselines: plain RLOO or GRPO (no PRM)
-    python istar.py --estimator grpo        # iStar on the GRPO baseline (Eqs. 3-4)
+    python istar.py --estimator grpo        # iStar on GRPO, centred (--use-std: Eqs. 3-4)
     python istar.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the real run
     accelerate launch --multi_gpu --num_processes 8 istar.py --env alfworld ...  # data parallel
 
@@ -111,9 +116,9 @@ class Args:
 
     Defaults marked [preset: tiny X | real Y] depend on --model: a value that trains in minutes
     on 2 CPU cores with `--model tiny` (or tiny-scratch), the paper's (or the authors' scripts')
-    value with a real model. --help shows the defaults of the --model it is given. The resolved
-    values are printed. For data parallel, launch it with accelerate (README, "More than one
-    device")."""
+    value with a real model; a few also on --advantage (BASELINE_PRESETS). --help shows the
+    defaults of the --model and --advantage it is given. The resolved values are printed. For
+    data parallel, launch it with accelerate (README, "More than one device")."""
 
     exp_name: str = "istar"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -169,12 +174,12 @@ class Args:
     success_reward: float = 10.0
     """outcome r_o of a won episode (a lost one gets 0): the code's 10; it weighs the RLOO episode
     term against the step term, whose rewards are rescaled to |r| <= 1"""
-    use_std: bool = True
-    """GRPO divides by the group's std, as the paper; --no-use-std only subtracts the mean, as the
-    code's GRPO mode"""
-    prm_learning_rate: float = 1e-3
-    """AdamW learning rate of the PRM's LoRA weights, one step per iteration [preset: tiny 1e-3 |
-    real 2e-5] (twice the policy's, the paper's ratio)"""
+    use_std: bool = False
+    """GRPO also divides by the group's std (the paper's z-score); off, it only subtracts the
+    mean, as the code's GRPO mode (mean_norm) [preset: istar off | --advantage grpo on]"""
+    prm_learning_rate: float = 5e-4
+    """AdamW learning rate of the PRM's LoRA weights, one step per iteration: twice iStar's
+    policy rate, as the code [preset: tiny 5e-4 | real 1e-5]"""
     prm_max_grad_norm: float = 10.0
     """gradient-norm clip of the PRM's step (the code's 10)"""
     invalid_action_penalty: float = 0.01
@@ -191,9 +196,10 @@ class Args:
     """N trajectories per task (a group); with 1 there is no baseline and no DPO pair"""
     max_episode_steps: int = 30
     """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 50]"""
-    learning_rate: float = 5e-4
-    """AdamW learning rate of the policy's LoRA weights [preset: tiny 5e-4 | real 1e-5 (the
-    paper's 5e-7 is for full fine-tuning)]"""
+    learning_rate: float = 2.5e-4
+    """AdamW learning rate of the policy's LoRA weights: iStar's at half its baselines', as the
+    code (5e-7 and 1e-6, full fine-tuning) [preset: tiny 2.5e-4, rloo / grpo 5e-4 | real 5e-6,
+    rloo / grpo 1e-5]"""
     weight_decay: float = 0.0
     """AdamW weight decay of the RL update"""
     clip_eps: float = 0.2
@@ -282,23 +288,35 @@ class Args:
 
 
 REAL_MODEL_PRESETS = dict(iterations=200, tasks_per_iteration=16, max_episode_steps=50,
-                          learning_rate=1e-5, prm_learning_rate=2e-5, minibatch_size=64,
+                          learning_rate=5e-6, prm_learning_rate=1e-5, minibatch_size=64,
                           micro_batch_size=8, gradient_checkpointing=True, max_new_tokens=512,
                           history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,
                           bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
                           eval_every=5, eval_num_tasks=0)
 TINY_SCRATCH_PRESETS = dict(bc_epochs=3)
+# --advantage rloo / grpo, by --model (tiny and tiny-scratch: "tiny"): the code runs the
+# baselines at twice iStar's policy rate (run_webshop.sh: 1e-6, iStar 5e-7), and a control
+# `--step-weight 0` keeps iStar's rates. Plain GRPO divides by the std (veRL's GRPO, proxmo.py's).
+BASELINE_PRESETS = {"tiny": dict(learning_rate=5e-4, use_std=True),
+                    "real": dict(learning_rate=1e-5, use_std=True)}
 
 
-def preset_args(model: str = "tiny", env: str = "household") -> Args:
-    """The defaults for `model` and `env`: the dataclass's (tiny presets), with
-    TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top."""
-    args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
+def preset_args(model: str = "tiny", env: str = "household", advantage: str = "istar") -> Args:
+    """The defaults for `model`, `env` and `advantage`: the dataclass's (tiny presets, iStar),
+    with TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top, then for a baseline (rloo or grpo)
+    BASELINE_PRESETS."""
+    args = Args(model=model, env=env, advantage=advantage,
+                eval_splits=envs.EVAL_SPLITS.get(env, ()),
                 device="cuda" if torch.cuda.is_available() else "cpu",
                 env_workers=envs.default_env_workers(env))
     if model == "tiny-scratch":
-        return replace(args, **TINY_SCRATCH_PRESETS)
-    return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)
+        args = replace(args, **TINY_SCRATCH_PRESETS)
+    elif model != "tiny":
+        args = replace(args, **REAL_MODEL_PRESETS)
+    if advantage == "istar":
+        return args
+    size = "tiny" if model in ("tiny", "tiny-scratch") else "real"
+    return replace(args, **BASELINE_PRESETS[size])
 
 
 def validate_args(args: Args) -> list[str]:
@@ -366,9 +384,9 @@ def validate_args(args: Args) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> Args:
-    """Command line -> Args. Defaults are the presets of the --model and --env given; with
-    --resume, the run's saved configuration, which flags on the command line may not contradict
-    (only --iterations may change, with a printed note)."""
+    """Command line -> Args. Defaults are the presets of the --model, --env and --advantage
+    given; with --resume, the run's saved configuration, which flags on the command line may not
+    contradict (only --iterations may change, with a printed note)."""
     import argparse
 
     import tyro
@@ -377,10 +395,12 @@ def parse_args(argv: list[str]) -> Args:
     peek.add_argument("--model", default="tiny")
     peek.add_argument("--env", default="household")
     peek.add_argument("--resume", default=None)
+    peek.add_argument("--advantage", default="istar")
     known, _ = peek.parse_known_args(argv)
     if known.resume is None:
         env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
-        return tyro.cli(Args, args=argv, default=preset_args(known.model, env))
+        advantage = known.advantage if known.advantage in ("rloo", "grpo") else "istar"
+        return tyro.cli(Args, args=argv, default=preset_args(known.model, env, advantage))
     config_file = os.path.join(known.resume, "config.json")
     if not os.path.isdir(known.resume):
         raise UsageError(f"--resume {known.resume}: no such run directory")
@@ -393,7 +413,8 @@ def parse_args(argv: list[str]) -> Args:
     if unknown:
         raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
                          f"the script does not know: {', '.join(unknown)}")
-    defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household")))
+    defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household"),
+                                  saved.get("advantage", "istar")))
     merged = {**defaults, **saved}
     saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
     args = tyro.cli(Args, args=argv, default=saved)
@@ -534,6 +555,33 @@ def implicit_step_rewards(prm_logps: list[list[Tensor]], old_logps: list[list[Te
     return out
 
 
+def trajectory_scores(step_rewards: list[Tensor], traj_agg: str = "mean") -> list[Tensor]:
+    """DPO score S_i of each trajectory from its (T_i,) step rewards: their mean (the code) or sum
+    (the literal Eq. 2) as a 0-dim tensor, with grad if they have it; an empty trajectory
+    scores 0."""
+    if traj_agg not in ("mean", "sum"):
+        raise ValueError(f"traj_agg must be 'mean' or 'sum', not {traj_agg!r}")
+    if traj_agg == "mean":
+        return [r.sum() / max(len(r), 1) for r in step_rewards]
+    return [r.sum() for r in step_rewards]
+
+
+def preference_pairs(outcomes: list[float], group_ids: list,
+                     pos_threshold: float = 0.0) -> list[tuple[int, int]]:
+    """Eq. 2's pairs: (positive, negative) index pairs, every combination inside each group.
+    Positive: outcome > pos_threshold, negative: the others. Groups in order of first
+    appearance, then positives, then negatives, in input order."""
+    members: dict = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    pairs = []
+    for idx in members.values():
+        positives = [i for i in idx if outcomes[i] > pos_threshold]
+        negatives = [i for i in idx if outcomes[i] <= pos_threshold]
+        pairs += [(p, n) for p in positives for n in negatives]
+    return pairs
+
+
 def trajectory_dpo_loss(step_rewards: list[Tensor], outcomes: list[float], group_ids: list,
                         pos_threshold: float = 0.0, traj_agg: str = "mean") -> tuple[Tensor, int]:
     """Eq. 2, trajectory-level DPO with the sampling policy as reference.
@@ -542,20 +590,33 @@ def trajectory_dpo_loss(step_rewards: list[Tensor], outcomes: list[float], group
     an empty trajectory scores 0). Positives: outcome > pos_threshold, negatives: the others.
     Every (positive, negative) pair inside each group; loss = mean over all pairs of
     -logsigmoid(S_pos - S_neg). Returns (loss, n_pairs); (tensor(0.), 0) without any pair."""
-    if traj_agg not in ("mean", "sum"):
-        raise ValueError(f"traj_agg must be 'mean' or 'sum', not {traj_agg!r}")
-    scores = [r.sum() / max(len(r), 1) if traj_agg == "mean" else r.sum() for r in step_rewards]
-    members: dict = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
-    margins = []
-    for idx in members.values():
-        positives = [i for i in idx if outcomes[i] > pos_threshold]
-        negatives = [i for i in idx if outcomes[i] <= pos_threshold]
-        margins += [scores[p] - scores[n] for p in positives for n in negatives]
+    scores = trajectory_scores(step_rewards, traj_agg)
+    pairs = preference_pairs(outcomes, group_ids, pos_threshold)
+    margins = [scores[p] - scores[n] for p, n in pairs]
     if not margins:
         return torch.tensor(0.0), 0
     return -F.logsigmoid(torch.stack(margins)).mean(), len(margins)
+
+
+def dpo_pair_accuracy(step_rewards: list[Tensor], outcomes: list[float], group_ids: list,
+                      pos_threshold: float = 0.0, traj_agg: str = "mean") -> tuple[float, int]:
+    """The PRM's pairwise accuracy on trajectory_dpo_loss's pairs (the code's dpo_acc_before, when
+    the rewards are the PRM's before its DPO step): the share of (positive, negative) pairs with
+    S_pos > S_neg, S scored as the loss scores it (--traj-agg); a tie counts 1/2, so a PRM that
+    tells no trajectory apart (every r_t = 0, the first iteration) scores 0.5, as chance.
+    step_rewards[i] (T_i,); the mean is over all pairs of the batch (the code's: over groups).
+    Returns (accuracy, n_pairs); (nan, 0) without any pair."""
+    scores = [float(s) for s in trajectory_scores(step_rewards, traj_agg)]
+    pairs = preference_pairs(outcomes, group_ids, pos_threshold)
+    if not pairs:
+        return float("nan"), 0
+    right = 0.0
+    for p, n in pairs:
+        if scores[p] > scores[n]:
+            right += 1.0
+        elif scores[p] == scores[n]:
+            right += 0.5
+    return right / len(pairs), len(pairs)
 
 
 def scale_step_rewards_max_abs(step_rewards: list[Tensor], eps: float = 1e-6) -> list[Tensor]:
@@ -654,6 +715,55 @@ def istar_batch_advantages(outcomes: list[float], step_rewards: list[Tensor], gr
     return out
 
 
+def step_term_shares(step_terms: list[Tensor], advantages: list[Tensor], won: list[bool],
+                     group_ids: list) -> dict[str, float]:
+    """How much of the advantage the step term carries, by kind of group: uniform (every
+    trajectory of the group won, or every one lost; a group of one too) and mixed.
+
+    step_terms[i], advantages[i]: (T_i,) of trajectory i, alpha * A^S and the advantage the
+    update uses (A^E + alpha * A^S minus the invalid-action penalty); won[i], group_ids[i].
+    step_share_<kind> = sum over the kind's steps of |alpha * A^S| / sum of |A| (sums over
+    steps, not a mean of per-step ratios). A uniform group of two or more has A^E = 0, so its
+    share is 1 but for the penalty; a share above 1 means the terms cancel. abs_share_uniform =
+    the uniform groups' share of the batch's sum |A|. NaN where a denominator is 0 (no steps of
+    that kind, or every A = 0)."""
+    members: dict = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    step_sum = {"uniform": 0.0, "mixed": 0.0}
+    abs_sum = {"uniform": 0.0, "mixed": 0.0}
+    for idx in members.values():
+        kind = "uniform" if len({bool(won[i]) for i in idx}) == 1 else "mixed"
+        for i in idx:
+            step_sum[kind] += float(step_terms[i].abs().sum())
+            abs_sum[kind] += float(advantages[i].abs().sum())
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else float("nan")
+
+    return {"step_share_uniform": ratio(step_sum["uniform"], abs_sum["uniform"]),
+            "step_share_mixed": ratio(step_sum["mixed"], abs_sum["mixed"]),
+            "abs_share_uniform": ratio(abs_sum["uniform"], abs_sum["uniform"] + abs_sum["mixed"])}
+
+
+def istar_step_terms(args: Args, trajectories: list[dict]) -> list[Tensor]:
+    """alpha * A^S (T_i,) of every trajectory of an iStar batch: the step part of
+    compute_advantages' advantages (its rescaling and estimator; the outcomes are not read)."""
+    step_rewards = [torch.tensor(t["step_rewards"], dtype=torch.float64) for t in trajectories]
+    if args.step_reward_scale == "max_abs":
+        step_rewards = scale_step_rewards_max_abs(step_rewards)
+    members: dict = defaultdict(list)
+    for i, t in enumerate(trajectories):
+        members[t["group"]].append(i)
+    out: list[Tensor] = [torch.empty(0)] * len(trajectories)
+    for idx in members.values():
+        steps = step_advantages([step_rewards[i] for i in idx], args.estimator,
+                                use_std=args.use_std)
+        for i, s in zip(idx, steps):
+            out[i] = args.step_weight * s
+    return out
+
+
 def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
     """Per-step advantages (T_i,) of every trajectory of a batch: iStar's, or with --advantage
     rloo / grpo the episode term alone (no step rewards). Then the one penalty rule of every
@@ -724,12 +834,16 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
     dist = PartialState()
     rewards = [torch.tensor(t["step_rewards"], dtype=torch.float64, requires_grad=True)
                for t in batch]
-    loss, n_pairs = trajectory_dpo_loss(rewards, [float(t["won"]) for t in batch],
-                                        [t["group"] for t in batch], traj_agg=args.traj_agg)
+    outcomes, groups = [float(t["won"]) for t in batch], [t["group"] for t in batch]
+    loss, n_pairs = trajectory_dpo_loss(rewards, outcomes, groups, traj_agg=args.traj_agg)
     if n_pairs == 0:  # every group all won or all lost: nothing to prefer, no step
         return {"prm/pairs": 0}
-    # The loss of a fresh batch under the PRM before its step: held-out, log 2 = no preference.
-    stats = {"prm/dpo_loss": loss.item(), "prm/pairs": n_pairs}
+    # The loss and pairwise accuracy of a fresh batch under the PRM before its step: held-out;
+    # log 2 and 0.5 = no preference.
+    accuracy, _ = dpo_pair_accuracy([r.detach() for r in rewards], outcomes, groups,
+                                    traj_agg=args.traj_agg)
+    stats = {"prm/dpo_loss": loss.item(), "prm/pair_accuracy_before": accuracy,
+             "prm/pairs": n_pairs}
     loss.backward()
     # dLoss/dr_t per step of this process; a trajectory in no pair got no gradient: 0.
     coefficients = [c for i in mine for c in (rewards[i].grad if rewards[i].grad is not None
@@ -1494,6 +1608,9 @@ def main(args: Args) -> dict:
             batch_step_rewards = [r for tr in batch for r in tr["step_rewards"]]
             stats.update({"prm/step_reward_mean": float(np.mean(batch_step_rewards)),
                           "prm/step_reward_abs_max": float(np.max(np.abs(batch_step_rewards)))})
+            shares = step_term_shares(istar_step_terms(args, batch), batch_advantages,
+                                      [t["won"] for t in batch], [t["group"] for t in batch])
+            stats.update({f"credit/{k}": v for k, v in shares.items() if not math.isnan(v)})
         steps = [s for tr in batch for s in tr["steps"]]
         stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
                       "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
@@ -1510,6 +1627,7 @@ def main(args: Args) -> dict:
         log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
                         dpo=stats.get("prm/dpo_loss", float("nan")),
+                        pair_acc=stats.get("prm/pair_accuracy_before", float("nan")),
                         rollout_s=round(rollout_seconds),
                         update_s=round(stats["time/update_seconds"]),
                         iter_s=round(stats["time/iteration_seconds"]))

@@ -1,8 +1,8 @@
 """3SPO: State-Score-Supervised Policy Optimization (Han et al., 2026), single-file reference.
 
 3SPO updates the policy after every step instead of after whole episodes. A global table counts,
-for every state (the exact observation text of one task), the finished paths through it and how
-many of them won. From these counts:
+for every state (the exact observation text, shared between tasks), the finished paths through it
+and how many of them won. From these counts:
   * a state score S(s) in [0, 1] (Eq. 1): 1 for a state never seen to win, exp(-lambda_t p) for
     success rate p with lambda_t = alpha ln t growing with the number t of finished paths, and 0
     for a state that looks hopeless (xi failures or more and p <= zeta);
@@ -30,9 +30,15 @@ marks ours. Where this script departs from the paper or chooses where it is sile
     that a task costs about what GRPO's 8 episodes cost. The paper's search ends only with an
     empty frontier. One expansion may pass a budget: by fewer than K_max actions, or by up to
     K_max - 1 paths (each terminal child finishes one, and every one is counted).
-  * States are keyed per task, sha1(task + observation) (the code shares keys across tasks:
-    --share-states-across-tasks). "Nothing happens." keeps the current key: no novelty for a
+  * States are keyed by the observation alone, shared across tasks, as the authors' code does
+    (65 % of the household's observations occur in more than one task); per-task keys behind
+    --no-share-states-across-tasks. "Nothing happens." keeps the current key: no novelty for a
     command that changed nothing.
+  * lambda_t = alpha ln t with alpha 0.5, not the paper's 50: at 50 a state with one won path
+    scores about 0 and gets one action, never a group, and the paper's case study (S about 0.3,
+    n = 3 at the 10th visit) cannot arise. --lambda-schedule gui is the schedule of the authors'
+    GUI loop, lambda_base (1 - exp(-t / horizon)) [reconstructed]. Which one (and which alpha)
+    is the default is to be chosen on the valid split (docs/sspo.md).
   * Counters change only when a path finishes: every distinct state popped on the path from the
     root, +1 visit and +1 success if it won; t counts 1 + the finished paths.
   * The terminal next state, the game's own end (a win), scores 1 exactly (the code's outcome,
@@ -40,8 +46,10 @@ marks ours. Where this script departs from the paper or chooses where it is sile
     as is]. A step that reaches the step limit without a win is scored from the table like any
     other, and ends a lost path. A gated (hopeless) child scores high, as S = 0 makes its
     difference largest; the search cuts it at the next pop.
-  * R_succ is 1 on a won step (the code passes the env's reward, 10 in verl-agent); a malformed
-    reply subtracts --step-invalid-penalty 0.1 from its reward, before the group normalisation.
+  * R_succ is 10 on a won step, the env's reward the code passes (verl-agent's; --success-reward
+    1 is a 0/1 indicator); a malformed reply subtracts --step-invalid-penalty 0.1 from its
+    reward, before the group normalisation. The old reading of this script:
+    --no-share-states-across-tasks --score-alpha 50 --success-reward 1.
     The GRPO baseline keeps proxmo.py's rule instead (--invalid-action-penalty 0.01 off the
     advantage), so that its numbers are proxmo.py's.
   * A child that repeats its parent's state or a sibling's is trained on but not pushed. A node
@@ -156,8 +164,18 @@ class Args:
     advantage: Literal["sspo", "grpo"] = "sspo"
     """sspo (ranked DFS, a policy update after every step, Eqs. 1-4) or grpo (--group-size
     episodes per task, the episode z-score: proxmo.py's GRPO; its tiny learning rate is 5e-4)"""
-    score_alpha: float = 50.0
-    """alpha of the annealing lambda_t = alpha ln t of the state score (Eq. 1)"""
+    lambda_schedule: Literal["log", "gui"] = "log"
+    """Eq. 1's lambda_t: log, alpha ln t (the authors' ALFWorld code), or gui, lambda_base
+    (1 - exp(-t / horizon)) (their GUI loop) [reconstructed]"""
+    score_alpha: float = 0.5
+    """alpha of lambda_t = alpha ln t (Eq. 1; at the paper's 50 one won path sends S to 0)"""
+    lambda_horizon: float = 10_000.0
+    """gui: the horizon in finished paths (the GUI loop's T / alpha = 1000 / 0.1)"""
+    lambda_base: float = 1.0
+    """gui: lambda_t's limit (the GUI loop's)"""
+    success_reward: float = 10.0
+    """R_succ of a won step (Eq. 2): the environment's reward in the authors' code (verl-agent
+    pays 10); 1 is the 0/1 indicator"""
     fail_threshold: int = 10
     """xi: a state with xi or more failed paths through it and success rate <= zeta scores 0
     (Eq. 1's gate)"""
@@ -176,9 +194,9 @@ class Args:
     generations_per_task: int | None = None
     """a task's search stops after sampling this many actions (sspo); default 8 x
     --max-episode-steps, what GRPO's 8 episodes may sample"""
-    share_states_across_tasks: bool = False
+    share_states_across_tasks: bool = True
     """key states by the observation alone, shared across tasks, as the authors' code does
-    (off: the task is part of the key)"""
+    (--no-share-states-across-tasks: the task is part of the key)"""
     use_std: bool = True
     """divide group advantages by the group std (Bessel); --no-use-std only subtracts the mean,
     as the authors' helper"""
@@ -356,6 +374,9 @@ def validate_args(args: Args) -> list[str]:
         (a.max_prompt_tokens >= 1, "--max-prompt-tokens must be >= 1"),
         (a.history_length >= 0, "--history-length must be >= 0"),
         (a.score_alpha >= 0, "--score-alpha must be >= 0"),
+        (a.lambda_horizon > 0, "--lambda-horizon must be > 0"),
+        (a.lambda_base >= 0, "--lambda-base must be >= 0"),
+        (a.success_reward >= 0, "--success-reward must be >= 0"),
         (a.fail_threshold >= 0, "--fail-threshold must be >= 0"),
         (0 <= a.success_threshold <= 1, "--success-threshold must be in [0, 1]"),
         (a.novelty_decay >= 0, "--novelty-decay must be >= 0"),
@@ -537,24 +558,32 @@ class Counts:
         return self.n_total - self.n_success
 
 
-def annealing_lambda(t: int, alpha: float = 50.0) -> float:
-    """lambda_t = alpha ln t (Eq. 1), t = 1 + the finished paths so far (t >= 1; lambda_1 = 0)."""
+def annealing_lambda(t: int, alpha: float = 50.0, schedule: str = "log",
+                     horizon: float = 10_000.0, base: float = 1.0) -> float:
+    """lambda_t of Eq. 1, t = 1 + the finished paths so far (t >= 1). "log": alpha ln t, the
+    authors' ALFWorld code (lambda_1 = 0). "gui": base (1 - exp(-t / horizon)), the schedule of
+    their GUI loop, which wrote base (1 - exp(-alpha' t / T)) with alpha' 0.1 and T 1000, t
+    counting updates there (horizon = T / alpha' = 10,000) [reconstructed]; alpha is unused."""
     if t < 1:
         raise ValueError(f"t counts 1 + the finished paths and must be >= 1, got {t}")
+    if schedule == "gui":
+        return base * (1.0 - math.exp(-t / horizon))
     return alpha * math.log(t)
 
 
 def state_score(c: Counts, t: int, alpha: float = 50.0, xi: int = 10, zeta: float = 0.1,
-                eps: float = 1e-6) -> float:
+                eps: float = 1e-6, *, schedule: str = "log", horizon: float = 10_000.0,
+                lambda_base: float = 1.0) -> float:
     """Eq. 1: S = gate * exp(-lambda_t p), p = N_suc / (N_tot + eps), gate open when
     N_fail < xi or p > zeta (strict, on the eps-smoothed p: 2 wins in 20 closes it). An unvisited
-    state scores 1.0, a closed gate exactly 0.0."""
+    state scores 1.0, a closed gate exactly 0.0. lambda_t: annealing_lambda(t, alpha, schedule,
+    horizon, lambda_base)."""
     if c.n_total == 0:
         return 1.0
     p = c.n_success / (c.n_total + eps)
     if not (c.n_fail < xi or p > zeta):
         return 0.0
-    return math.exp(-annealing_lambda(t, alpha) * p)
+    return math.exp(-annealing_lambda(t, alpha, schedule, horizon, lambda_base) * p)
 
 
 def rollout_count(score: float, k_max: int = 8) -> int:
@@ -571,12 +600,14 @@ def novelty_weight(n_total: int, k: float = 0.1) -> float:
 def step_reward(score_t: float, score_next: float, n_total_t: int, changed: bool, success: bool,
                 valid: bool = True, k: float = 0.1, invalid_penalty: float = 0.1, *,
                 novelty: bool = True, score_difference: bool = True,
-                fixed_weight: float | None = None) -> float:
+                fixed_weight: float | None = None, success_reward: float = 1.0) -> float:
     """Eq. 2: w R_novel + (0.5 - w)(S(s_t) - S(s_t+1)) + 0.5 R_succ, minus invalid_penalty for a
-    malformed reply. w = novelty_weight(n_total_t, k), or fixed_weight. novelty=False and
-    score_difference=False drop their terms (the paper's ablations; their weights stay)."""
+    malformed reply. R_succ = success_reward on a won step (the authors' code passes the env's
+    reward, 10 in verl-agent), else 0. w = novelty_weight(n_total_t, k), or fixed_weight.
+    novelty=False and score_difference=False drop their terms (the paper's ablations; their
+    weights stay)."""
     w = novelty_weight(n_total_t, k) if fixed_weight is None else fixed_weight
-    reward = 0.5 * float(success)
+    reward = 0.5 * success_reward * float(success)
     if novelty:
         reward += w * float(changed)
     if score_difference:
@@ -586,25 +617,37 @@ def step_reward(score_t: float, score_next: float, n_total_t: int, changed: bool
     return reward
 
 
+def next_state_scores(stats: dict[str, Counts], next_keys: list[str], t: int,
+                      alpha: float = 50.0, xi: int = 10, zeta: float = 0.1, eps: float = 1e-6,
+                      terminals: list[bool] | None = None, **schedule) -> list[float]:
+    """S(s_t+1) of each transition (Eq. 2): 1.0 for a terminal one (None: none is), else
+    state_score of its key's counts (a missing key is unvisited; `stats` is only read).
+    schedule: schedule, horizon, lambda_base of state_score."""
+    terminals = terminals or [False] * len(next_keys)
+    return [1.0 if terminal else state_score(stats.get(key, Counts()), t, alpha, xi, zeta, eps,
+                                             **schedule)
+            for key, terminal in zip(next_keys, terminals, strict=True)]
+
+
 def transition_rewards(stats: dict[str, Counts], key_t: str, next_keys: list[str],
                        successes: list[bool], valids: list[bool], t: int, alpha: float = 50.0,
                        xi: int = 10, zeta: float = 0.1, eps: float = 1e-6, k: float = 0.1,
-                       invalid_penalty: float = 0.1, terminals: list[bool] | None = None,
-                       **terms) -> list[float]:
+                       invalid_penalty: float = 0.1, terminals: list[bool] | None = None, *,
+                       schedule: str = "log", horizon: float = 10_000.0,
+                       lambda_base: float = 1.0, **terms) -> list[float]:
     """The step rewards of the n transitions sampled at state key_t, all scores read from `stats`
     as it is (a read only: a missing key is an unvisited state, and no entry is created).
     Child i: step_reward(S(key_t), S_next_i, N_tot(key_t), next_keys[i] != key_t, successes[i],
-    valids[i]), S_next_i = 1.0 if terminals[i] (None: none is terminal) else S(next_keys[i]).
-    terms: novelty, score_difference, fixed_weight of step_reward."""
-    empty = Counts()
-    source = stats.get(key_t, empty)
-    score_t = state_score(source, t, alpha, xi, zeta, eps)
-    terminals = terminals or [False] * len(next_keys)
+    valids[i]), S_next_i from next_state_scores. schedule, horizon, lambda_base: Eq. 1's
+    lambda_t (annealing_lambda). terms: novelty, score_difference, fixed_weight, success_reward
+    of step_reward."""
+    lam = {"schedule": schedule, "horizon": horizon, "lambda_base": lambda_base}
+    source = stats.get(key_t, Counts())
+    score_t = state_score(source, t, alpha, xi, zeta, eps, **lam)
+    scores_next = next_state_scores(stats, next_keys, t, alpha, xi, zeta, eps, terminals, **lam)
     rewards = []
-    for key, success, valid, terminal in zip(next_keys, successes, valids, terminals,
-                                             strict=True):
-        score_next = 1.0 if terminal else state_score(stats.get(key, empty), t, alpha, xi, zeta,
-                                                      eps)
+    for key, success, valid, score_next in zip(next_keys, successes, valids, scores_next,
+                                               strict=True):
         rewards.append(step_reward(score_t, score_next, source.n_total, key != key_t, success,
                                    valid, k, invalid_penalty, **terms))
     return rewards
@@ -682,9 +725,15 @@ class StateTable:
     t: int = 1  # 1 + the finished paths so far (Eq. 1's t)
 
 
+def score_schedule(args: Args) -> dict:
+    """Eq. 1's lambda_t settings, as state_score and transition_rewards take them."""
+    return {"schedule": args.lambda_schedule, "horizon": args.lambda_horizon,
+            "lambda_base": args.lambda_base}
+
+
 def score_of(args: Args, table: StateTable, key: str) -> float:
     return state_score(table.counts.get(key, Counts()), table.t, args.score_alpha,
-                       args.fail_threshold, args.success_threshold)
+                       args.fail_threshold, args.success_threshold, **score_schedule(args))
 
 
 def new_search(args: Args, task) -> dict:
@@ -717,9 +766,9 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
     is not pushed twice.
 
     Returns (samples, finished, records): samples (prompt, response_ids, advantage, logprobs) of
-    every group of n >= 2 (Eq. 4's advantages); finished paths (search index, path keys, won) in
-    order, for update_counters after the round; one record per popped node, for the log. The
-    table is only read."""
+    every group of n >= 2 (Eq. 4's advantages); finished paths (search index, path keys, won,
+    steps played) in order, for update_counters after the round; one record per popped node, for
+    the log. The table is only read."""
     finished, records, expansions = [], [], []
     start = time.perf_counter()
     for index, search in enumerate(searches):
@@ -736,7 +785,7 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
         records.append({"score": score, "rollouts": n, "depth": len(node["history"]),
                         "visited": visits > 0})
         if n == 0:  # the score reached zero: this path ends here, lost
-            finished.append((index, node["keys"], False))
+            finished.append((index, node["keys"], False, len(node["history"])))
             continue
         prompt = encode_prompt(args, tokenizer, search["game"].task_description, node["history"],
                                node["obs"], node["admissible"], len(node["history"]) + 1)
@@ -777,14 +826,15 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
             [c["well_formed"] for c in children], table.t, args.score_alpha, args.fail_threshold,
             args.success_threshold, k=args.novelty_decay,
             invalid_penalty=args.step_invalid_penalty,
-            terminals=[c["won"] for c in children], novelty=args.novelty_reward,
-            score_difference=args.score_difference_reward, fixed_weight=args.fixed_novelty_weight)
+            terminals=[c["won"] for c in children], **score_schedule(args),
+            novelty=args.novelty_reward, score_difference=args.score_difference_reward,
+            fixed_weight=args.fixed_novelty_weight, success_reward=args.success_reward)
         order = rank_children(rewards)
         pushed, seen_keys = [], {key}
         for i in order:
             child = children[i]
             if child["done"]:  # won, or lost at the step limit: a finished path
-                finished.append((index, node["keys"], child["won"]))
+                finished.append((index, node["keys"], child["won"], len(node["history"]) + 1))
             elif child["key"] not in seen_keys:
                 seen_keys.add(child["key"])
                 pushed.append(child)
@@ -802,8 +852,20 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
             advantages = group_advantages(rewards, use_std=args.use_std)  # Eq. 4
             samples += [(prompt, responses[row], float(a), logprobs[row])
                         for row, a in zip(rows, advantages)]
+        # What decides whether Eq. 2's score difference can rank a group: its weight 0.5 - w
+        # (0 at an unvisited state) and the spread of the children's scores.
+        scores_next = next_state_scores(
+            table.counts, [c["key"] for c in children], table.t, args.score_alpha,
+            args.fail_threshold, args.success_threshold, terminals=[c["won"] for c in children],
+            **score_schedule(args))
+        w = args.fixed_novelty_weight
+        if w is None:
+            w = novelty_weight(table.counts.get(key, Counts()).n_total, args.novelty_decay)
         record.update(rewards=rewards, valid=[c["valid"] for c in children],
-                      well_formed=[c["well_formed"] for c in children])
+                      well_formed=[c["well_formed"] for c in children], w=w,
+                      hopeless=[s == 0.0 for s in scores_next],
+                      score_difference_varies=(args.score_difference_reward and w < 0.5
+                                               and max(scores_next) > min(scores_next)))
     return samples, finished, records
 
 
@@ -1268,16 +1330,20 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
             policy.sync(run_path)  # vLLM samples the next round with the updated adapter
             for name, value in stats.items():
                 update_stats[name].append(value)
-        for index, _, _ in finished:
+        for index, _, _, _ in finished:
             searches[index]["paths"] += 1
-        for _, keys, won in gather_object(finished):  # Eq. 1's counts and t
+        for _, keys, won, steps in gather_object(finished):  # Eq. 1's counts and t
             update_counters(table.counts, keys, won)
             table.t += 1
-            finished_all.append(won)
+            finished_all.append((won, steps))
         records += gather_object(round_records)
     expanded = [r for r in records if r["rollouts"] > 0]
+    trained = [r for r in records if r["rollouts"] >= 2]
     children = [(reward, valid, well_formed) for r in expanded
                 for reward, valid, well_formed in zip(r["rewards"], r["valid"], r["well_formed"])]
+    hopeless = [h for r in expanded for h in r["hopeless"]]
+    wins = [won for won, _ in finished_all]
+    lengths = [steps for _, steps in finished_all]
     scores = [score_of(args, table, key) for key in table.counts]
     # Sampled states with a finished path through them: at an unvisited one w = 0.5, and Eq.
     # 2's score difference weighs nothing.
@@ -1288,7 +1354,8 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
     update_seconds = sum(out.get(f"time/{k}_seconds", 0.0)
                          for k in ("old_logprobs", "ref_logprobs", "update"))
     out.update({
-        "rollout/success": float(np.mean(finished_all)) if finished_all else 0.0,
+        "rollout/success": float(np.mean(wins)) if wins else 0.0,
+        "rollout/episode_length": float(np.mean(lengths)) if lengths else 0.0,
         "rollout/grounding": float(np.mean([c[1] for c in children])) if children else 0.0,
         "rollout/well_formed": float(np.mean([c[2] for c in children])) if children else 0.0,
         "rollout/step_samples": len(children),
@@ -1306,6 +1373,13 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
         "sspo/untrained_share": float(np.mean([r["rollouts"] == 1 for r in records])),
         "sspo/depth": float(np.mean([r["depth"] for r in records])),
         "sspo/visited_share": visited_share,
+        # Whether Eq. 2's score difference ranks anything: the share of trained groups whose
+        # score-difference term varies, their mean novelty weight, and the share of children
+        # sent to a hopeless state (S = 0, cut at the next pop).
+        "sspo/score_difference_varies": float(np.mean(
+            [r["score_difference_varies"] for r in trained])) if trained else 0.0,
+        "sspo/trained_w": float(np.mean([r["w"] for r in trained])) if trained else 0.5,
+        "sspo/hopeless_children": float(np.mean(hopeless)) if hopeless else 0.0,
         "sspo/reward_mean": float(np.mean([c[0] for c in children])) if children else 0.0})
     return out
 

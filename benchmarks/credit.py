@@ -410,14 +410,28 @@ def istar_reward_credit(batch: Batch) -> tuple[list[Tensor], str]:
     return [torch.tensor(r, dtype=torch.float64) for r in rewards], data
 
 
-def sspo_search(batch: Batch) -> tuple[sspo.Args, sspo.StateTable, str]:
-    """3SPO's state table after its own search on the batch's tasks (sspo.py's tiny preset and
-    budget, --tasks-per-iteration tasks at a time, one table), by the start policy without any
-    update: search_and_learn's loop of search_round and update_counters, less the update.
-    Computed once a batch."""
-    if "sspo" in batch.cache:
-        return batch.cache["sspo"]
-    args = replace(sspo.preset_args("tiny", "household"), seed=batch.args.seed)
+# sspo.py's readings: as revised (its defaults) and the literal one (per-task keys, the paper's
+# alpha 50, R_succ 1).
+SSPO_READINGS = {"new": {},
+                 "literal": {"share_states_across_tasks": False, "score_alpha": 50.0,
+                             "success_reward": 1.0}}
+
+
+def sspo_args(batch: Batch, reading: str) -> sspo.Args:
+    """sspo.py's tiny preset with SSPO_READINGS[reading] and the batch's seed."""
+    return replace(sspo.preset_args("tiny", "household"), seed=batch.args.seed,
+                   **SSPO_READINGS[reading])
+
+
+def sspo_search(batch: Batch, reading: str = "new") -> tuple[sspo.Args, sspo.StateTable, str]:
+    """3SPO's state table after its own search on the batch's tasks (sspo.py's tiny preset with
+    SSPO_READINGS[reading] and budget, --tasks-per-iteration tasks at a time, one table), by the
+    start policy without any update: search_and_learn's loop of search_round and
+    update_counters, less the update. Computed once a batch and reading."""
+    key = f"sspo-{reading}"
+    if key in batch.cache:
+        return batch.cache[key]
+    args = sspo_args(batch, reading)
     if batch.budget.search_paths:
         args.max_paths = batch.budget.search_paths
     policy = sspo.Policy(args, batch.model, batch.tokenizer)
@@ -430,7 +444,7 @@ def sspo_search(batch: Batch) -> tuple[sspo.Args, sspo.StateTable, str]:
             while any(sspo.search_active(args, search) for search in searches):
                 _, finished, _ = sspo.search_round(args, batch.tokenizer, policy, searches,
                                                    table, defaultdict(float))
-                for index, keys, won in finished:
+                for index, keys, won, _ in finished:
                     searches[index]["paths"] += 1
                     sspo.update_counters(table.counts, keys, won)
                     table.t += 1
@@ -438,21 +452,21 @@ def sspo_search(batch: Batch) -> tuple[sspo.Args, sspo.StateTable, str]:
             pathless += sum(search["paths"] == 0 for search in searches)
     data = (f"own search on the batch's tasks by the start, no update ({paths} paths, "
             f"{pathless} tasks without one)")
-    batch.cache["sspo"] = args, table, data
-    return batch.cache["sspo"]
+    batch.cache[key] = args, table, data
+    return batch.cache[key]
 
 
-def sspo_step_rewards(batch: Batch, searched: bool = True) -> tuple[list[list[float]],
-                                                                    list[list[str]], str]:
+def sspo_step_rewards(batch: Batch, searched: bool = True,
+                      reading: str = "new") -> tuple[list[list[float]], list[list[str]], str]:
     """Eq. 2's step reward of every step of the batch, as search_round rewards a child (a
     "Nothing happens." keeps the state's key; success and terminal = the step won; valid = well
     formed), and the key of each step's state. searched: from the counts (and final t) of the
     whole search on these very tasks, which no update of 3SPO sees; else from the empty table of
-    3SPO's first round."""
+    3SPO's first round. reading: a key of SSPO_READINGS."""
     if searched:
-        args, table, data = sspo_search(batch)
+        args, table, data = sspo_search(batch, reading)
     else:
-        args = replace(sspo.preset_args("tiny", "household"), seed=batch.args.seed)
+        args = sspo_args(batch, reading)
         table, data = sspo.StateTable(), "the batch; an empty state table (the first round)"
     rewards, sources = [], []
     for task, traj in zip(batch.tasks, batch.trajs):
@@ -467,9 +481,9 @@ def sspo_step_rewards(batch: Batch, searched: bool = True) -> tuple[list[list[fl
                 table.counts, key, [next_key], [won], [step["well_formed"]], table.t,
                 args.score_alpha, args.fail_threshold, args.success_threshold,
                 k=args.novelty_decay, invalid_penalty=args.step_invalid_penalty,
-                terminals=[won], novelty=args.novelty_reward,
+                terminals=[won], **sspo.score_schedule(args), novelty=args.novelty_reward,
                 score_difference=args.score_difference_reward,
-                fixed_weight=args.fixed_novelty_weight)
+                fixed_weight=args.fixed_novelty_weight, success_reward=args.success_reward)
             keys.append(key)
             key = next_key
         rewards.append(row)
@@ -477,23 +491,24 @@ def sspo_step_rewards(batch: Batch, searched: bool = True) -> tuple[list[list[fl
     return rewards, sources, data
 
 
-def sspo_reward_credit(batch: Batch) -> tuple[list[Tensor], str]:
+def sspo_reward_credit(batch: Batch, reading: str = "new") -> tuple[list[Tensor], str]:
     """3SPO's step rewards (Eq. 2) themselves."""
-    rewards, _, data = sspo_step_rewards(batch)
+    rewards, _, data = sspo_step_rewards(batch, reading=reading)
     return [torch.tensor(r, dtype=torch.float64) for r in rewards], data
 
 
-def sspo_credit(batch: Batch, searched: bool = True) -> tuple[list[Tensor], str]:
+def sspo_credit(batch: Batch, searched: bool = True,
+                reading: str = "new") -> tuple[list[Tensor], str]:
     """3SPO's advantage (Eq. 4): group_advantages of the step rewards of the batch's steps taken
     from one state key within one task group (3SPO's children of a state); 0 for a state left
     by one step only (3SPO trains no group of one)."""
-    rewards, sources, data = sspo_step_rewards(batch, searched)
+    rewards, sources, data = sspo_step_rewards(batch, searched, reading)
     children: dict = defaultdict(list)
     for i, keys in enumerate(sources):
         for t, key in enumerate(keys):
             children[batch.task_index[i], key].append((i, t))
     credit = [torch.zeros(len(row), dtype=torch.float64) for row in rewards]
-    use_std = sspo.preset_args("tiny", "household").use_std
+    use_std = sspo_args(batch, reading).use_std
     for members in children.values():
         if len(members) > 1:
             advantages = sspo.group_advantages([rewards[i][t] for i, t in members],
@@ -524,6 +539,9 @@ ESTIMATORS = {
     "rloo": rloo_credit,
     "istar": istar_credit,
     "istar-rewards": istar_reward_credit,
+    "sspo-first-literal": lambda batch: sspo_credit(batch, False, "literal"),
+    "sspo-literal": lambda batch: sspo_credit(batch, True, "literal"),
+    "sspo-rewards-literal": lambda batch: sspo_reward_credit(batch, "literal"),
     "sspo-first": lambda batch: sspo_credit(batch, searched=False),
     "sspo": sspo_credit,
     "sspo-rewards": sspo_reward_credit,
@@ -537,8 +555,12 @@ LABELS = {"admissible": "admissible steps only (reference)", "grpo": "GRPO (prox
           "hisr": "HISR, as revised (hisr.py)",
           "rloo": "RLOO (istar.py)", "istar": "iStar (istar.py)",
           "istar-rewards": "iStar step rewards (istar.py)",
-          "sspo-first": "3SPO, first round (sspo.py)", "sspo": "3SPO, searched counts (sspo.py)",
-          "sspo-rewards": "3SPO step rewards, searched counts (sspo.py)"}
+          "sspo-first-literal": "3SPO, the literal reading, first round (sspo.py)",
+          "sspo-literal": "3SPO, the literal reading, searched counts (sspo.py)",
+          "sspo-rewards-literal": "3SPO step rewards, the literal reading (sspo.py)",
+          "sspo-first": "3SPO, as revised, first round (sspo.py)",
+          "sspo": "3SPO, as revised, searched counts (sspo.py)",
+          "sspo-rewards": "3SPO step rewards, as revised, searched counts (sspo.py)"}
 
 
 # ---- 4. Table and picture -----------------------------------------------------------------------

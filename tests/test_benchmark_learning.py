@@ -134,3 +134,26 @@ def test_spa_runs_its_own_estimators_by_default(tmp_path):
     rows = re.findall(r"^\| spa\.py \| (\w+) \| 1 \|", result.stdout, re.MULTILINE)
     assert rows == ["spa", "ppo"]
     assert "| spa | ppo | 1 |" in result.stdout
+
+
+def test_spa_reads_hisr_ppo_records(tmp_path, monkeypatch, capsys):
+    """spa.py's protocol takes its PPO baseline from hisr.py's records (the same update), in
+    hisr.py's place, with hisr.py's flags; its own SPA records in spa.py's place, with
+    --rl-data online. No run starts (--finished-only)."""
+    import learning
+
+    monkeypatch.setattr(learning, "RESULTS", str(tmp_path / "results"))
+    for script, name, flags in (("spa.py", "spa", ["--rl-data", "online"]),
+                                ("hisr.py", "ppo", [])):
+        record = {**_record(0.5, 0.6), "script": script, "split": "test", "eval_num_tasks": 0,
+                  "flags": PROTOCOL_FLAGS + flags}
+        place = tmp_path / "results" / "test" / script
+        place.mkdir(parents=True)
+        (place / f"{name}-seed1.json").write_text(json.dumps(record))
+    learning.main(["--script", "spa.py", "--seeds", "1", "--finished-only", "--runs",
+                   str(tmp_path / "runs")])
+    out = capsys.readouterr().out
+    assert "ppo: hisr.py's runs (the same update)" in out
+    assert re.findall(r"^\| spa\.py \| (\w+) \| 1 \|", out, re.MULTILINE) == ["spa", "ppo"]
+    assert (tmp_path / "results" / "test" / "spa.py" / "table.md").is_file()
+    assert not (tmp_path / "results" / "test" / "hisr.py" / "table.md").exists()

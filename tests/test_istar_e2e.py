@@ -54,6 +54,17 @@ def test_three_iterations_of_istar(tmp_path):
     losses = {e.step: e.value for e in logged.Scalars("prm/dpo_loss")}
     assert pairs[1] > 0 and losses[1] == pytest.approx(0.693147, abs=1e-6)
     assert set(losses) == {step for step, n in pairs.items() if n > 0}
+    # the PRM's pairwise accuracy before each DPO step, beside the loss: chance (all ties) first
+    accuracy = {e.step: e.value for e in logged.Scalars("prm/pair_accuracy_before")}
+    assert set(accuracy) == set(losses) and accuracy[1] == 0.5
+    assert all(0 <= a <= 1 for a in accuracy.values())
+    assert re.search(r"rl 3/3 .*dpo=\S+ pair_acc=\S+", out.stdout)
+    # the step term's share of |A|: 0 in iteration 1 (every r_t = 0), then > 0
+    tags = logged.Tags()["scalars"]
+    shares = [e.value for tag in ("credit/step_share_uniform", "credit/step_share_mixed")
+              if tag in tags for e in logged.Scalars(tag)]
+    assert shares and all(v >= 0 for v in shares) and max(shares) > 0
+    assert "credit/abs_share_uniform" in tags
     assert all(e.value > 0 for e in logged.Scalars("prm/grad_norm"))
     iteration = [e.value for e in logged.Scalars("time/iteration_seconds")]
     parts = [[e.value for e in logged.Scalars(f"time/{part}_seconds")] for part in
@@ -71,10 +82,11 @@ def test_three_iterations_of_istar(tmp_path):
 def test_baselines_train_no_prm(advantage, tmp_path):
     out = run(["--iterations", "1", "--advantage", advantage, "--run-dir", str(tmp_path), *SMALL],
               tmp_path)
-    assert "rl 1/1" in out.stdout and "dpo=nan" in out.stdout
+    assert "rl 1/1" in out.stdout and "dpo=nan pair_acc=nan" in out.stdout
     (run_path,) = glob.glob(str(tmp_path / f"istar__household__{advantage}__1__*"))
     assert not os.path.exists(os.path.join(run_path, "checkpoint", "prm"))
-    assert "prm/pairs" not in scalars(run_path).Tags()["scalars"]
+    tags = scalars(run_path).Tags()["scalars"]
+    assert "prm/pairs" not in tags and not any(t.startswith("credit/") for t in tags)
 
 
 def test_resumed_run_gives_the_same_numbers_as_one_run(tmp_path):
@@ -107,7 +119,7 @@ def test_resume_without_the_prm_is_a_clear_error(tmp_path):
 def test_help_lists_the_flags(tmp_path):
     out = run(["--help"], tmp_path).stdout
     for flag in ("--advantage", "--estimator", "--step-weight", "--beta", "--traj-agg",
-                 "--step-reward-scale", "--prm-learning-rate", "--prm-max-grad-norm",
+                 "--step-reward-scale", "--prm-learning-rate", "--prm-max-grad-norm", "--use-std",
                  "--bc-epochs", "--resume"):
         assert flag in out
 
@@ -117,6 +129,8 @@ def test_help_lists_the_flags(tmp_path):
     (["--success-reward", "-10"], "--success-reward must be > 0"),
     (["--step-weight", "-1"], "--step-weight must be >= 0"),
     (["--prm-learning-rate", "0"], "--prm-learning-rate must be > 0"),
+    (["--prm-learning-rate=-5e-4"], "--prm-learning-rate must be > 0"),
+    (["--advantage", "rloo", "--learning-rate=-1e-3"], "--learning-rate must be > 0"),
     (["--prm-max-grad-norm", "inf"], "--prm-max-grad-norm must be finite"),
     (["--estimator", "ppo"], "--estimator"),
     (["--traj-agg", "median"], "--traj-agg"),

@@ -1,15 +1,18 @@
 """istar.py's pure functions against the spec's hand-worked examples (../shared/specs/istar.md,
-section 6), one example worked by hand here, and the spec's edge cases. atol 1e-6 throughout."""
+section 6), examples worked by hand here (GRPO centred without the std, the PRM's pairwise
+accuracy, the step term's share of |A|), and the spec's edge cases. atol 1e-6 throughout."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from istar import (Args, compute_advantages, episode_advantages, group_normalize, implicit_step_reward,
-                   implicit_step_rewards, istar_batch_advantages, istar_group_advantages,
-                   leave_one_out, scale_step_rewards_max_abs, step_advantages,
-                   trajectory_dpo_loss)
+from istar import (Args, compute_advantages, dpo_pair_accuracy, episode_advantages,
+                   group_normalize, implicit_step_reward, implicit_step_rewards,
+                   istar_batch_advantages, istar_group_advantages, istar_step_terms,
+                   leave_one_out, preset_args, scale_step_rewards_max_abs, step_advantages,
+                   step_term_shares, trajectory_dpo_loss)
 
 T = torch.tensor
 ATOL = 1e-6
@@ -259,11 +262,116 @@ def test_compute_advantages_scales_outcomes_and_penalises_after_normalisation():
     rloo = compute_advantages(Args(advantage="rloo"), batch)
     close(rloo[0], (10.0, 9.99))
     close(rloo[1], (-10.0,))
-    grpo = compute_advantages(Args(advantage="grpo", success_reward=1.0), batch)
+    # plain GRPO z-scores (its preset --use-std): (1, 0) -> +-0.5 / (0.707107 + 1e-6)
+    grpo = compute_advantages(replace(preset_args(advantage="grpo"), success_reward=1.0), batch)
     close(grpo[0], (0.707106, 0.697106))
-    # alpha 0 on iStar gives its --estimator baseline
-    no_steps = compute_advantages(Args(step_weight=0.0, estimator="grpo", success_reward=1.0),
-                                  batch)
+    # alpha 0 on iStar gives its --estimator baseline: with --use-std the same z-score ...
+    no_steps = compute_advantages(Args(step_weight=0.0, estimator="grpo", success_reward=1.0,
+                                       use_std=True), batch)
     for a, b in zip(no_steps, grpo):
         close(a, b.tolist())
+    # ... and by default only centred (the code's mean_norm): (1, 0) - 0.5
+    centred = compute_advantages(Args(step_weight=0.0, estimator="grpo", success_reward=1.0),
+                                 batch)
+    close(centred[0], (0.5, 0.49))
+    close(centred[1], (-0.5,))
     assert batch[0]["step_rewards"] == [0.02, -0.04]  # the raw rewards the DPO step reads
+
+
+def test_istar_on_grpo_centres_without_the_std_by_default():
+    """Worked by hand. iStar's default GRPO (mean_norm, no --use-std) on the batch above,
+    --success-reward 10, max-abs rescaling, alpha 1, penalty 0.01.
+    Episode: (10, 0) - 5 = (5, -5). Steps: (0.02, -0.04 | 0.01) / 0.040001 = (0.499988,
+    -0.999975 | 0.249994), mean -0.249994 / 3 = -0.083331, centred (0.583319, -0.916644 |
+    0.333325). A = (5.583319, 4.083356 - 0.01 = 4.073356 | -4.666675).
+    The pure functions (use_std=False), on the three-against-one group worked above: A^E =
+    (1, 1, 0) - 2/3, A^S = the deviations from 0.02, (0.08 | 0.28, -0.12 | -0.22, -0.02);
+    A = A^E + 0.5 A^S = (0.373333 | 0.473333, 0.273333 | -0.776667, -0.676667)."""
+    args = preset_args()
+    assert not args.use_std
+    batch = [summarized(True, [0.02, -0.04], [True, False], 0),
+             summarized(False, [0.01], [True], 0)]
+    advs = compute_advantages(replace(args, estimator="grpo"), batch)
+    close(advs[0], (5.583319, 4.073356))
+    close(advs[1], (-4.666675,))
+    steps = istar_step_terms(replace(args, estimator="grpo"), batch)
+    close(steps[0], (0.583319, -0.916644))
+    close(steps[1], (0.333325,))
+    rewards = [T([0.1], dtype=torch.float64), T([0.3, -0.1], dtype=torch.float64),
+               T([-0.2, 0.0], dtype=torch.float64)]
+    advs = istar_group_advantages(T([1.0, 1.0, 0.0]), rewards, alpha=0.5, estimator="grpo",
+                                  use_std=False)
+    close(advs[0], (0.373333,))
+    close(advs[1], (0.473333, 0.273333))
+    close(advs[2], (-0.776667, -0.676667))
+    close(episode_advantages(T([10.0, 0.0, 0.0, 0.0]), "grpo", use_std=False),
+          (7.5, -2.5, -2.5, -2.5))
+
+
+def test_step_terms_are_the_step_part_of_the_advantage():
+    """istar_step_terms on the batch of test_compute_advantages_...: RLOO, max-abs, alpha 1:
+    (0.874978, -1.374966 | 0.499988), the advantages minus (10, 10 - 0.01 | -10); alpha 0.5
+    halves them, alpha 0 gives zeros."""
+    batch = [summarized(True, [0.02, -0.04], [True, False], 0),
+             summarized(False, [0.01], [True], 0)]
+    steps = istar_step_terms(Args(), batch)
+    close(steps[0], (0.874978, -1.374966))
+    close(steps[1], (0.499988,))
+    advs = compute_advantages(Args(), batch)
+    close(advs[0] - steps[0], (10.0, 9.99))
+    close(advs[1] - steps[1], (-10.0,))
+    half = istar_step_terms(Args(step_weight=0.5), batch)
+    close(half[0], (0.437489, -0.687483))
+    assert all(torch.equal(s, torch.zeros_like(s))
+               for s in istar_step_terms(Args(step_weight=0.0), batch))
+
+
+def test_dpo_pair_accuracy_worked_by_hand():
+    """Group 7: won t0 (0.75, -0.25) and t1 (0.125), lost t2 (0.25, 0.25, 0.25) and t3 (-0.5);
+    group 8 all lost (no pair); group 9: won t6 (0, 0), lost t7 (0). Five pairs.
+    Mean scores: t0 0.25, t1 0.125, t2 0.25, t3 -0.5, t6 0, t7 0. Pairs (t0, t2) tie 1/2,
+    (t0, t3) right, (t1, t2) wrong, (t1, t3) right, (t6, t7) tie 1/2: 3 / 5 = 0.6.
+    Sum scores: t0 0.5, t1 0.125, t2 0.75, t3 -0.5: (t0, t2) wrong, (t0, t3) right, (t1, t2)
+    wrong, (t1, t3) right, (t6, t7) tie: 2.5 / 5 = 0.5. (Dyadic values: the ties are exact.)"""
+    rewards = [T(r, dtype=torch.float64) for r in ([0.75, -0.25], [0.125], [0.25, 0.25, 0.25],
+                                                   [-0.5], [0.0], [0.5], [0.0, 0.0], [0.0])]
+    outcomes = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    groups = [7, 7, 7, 7, 8, 8, 9, 9]
+    assert dpo_pair_accuracy(rewards, outcomes, groups) == (0.6, 5)
+    assert dpo_pair_accuracy(rewards, outcomes, groups, traj_agg="sum") == (0.5, 5)
+    assert trajectory_dpo_loss(rewards, outcomes, groups)[1] == 5  # the loss's pairs
+    # the spec's batch: one pair, A1 (mean 0.016667) over A2 (-0.02): right
+    assert dpo_pair_accuracy([T(R_PHI[n]) for n in NAMES], OUTCOMES, GROUPS) == (1.0, 1)
+    # a PRM that scores every step 0 (the first iteration): chance
+    assert dpo_pair_accuracy([torch.zeros(3)] * 4, OUTCOMES, GROUPS) == (0.5, 1)
+    accuracy, pairs = dpo_pair_accuracy(rewards[4:6], [0.0, 0.0], [8, 8])
+    assert pairs == 0 and math.isnan(accuracy)
+    with pytest.raises(ValueError):
+        dpo_pair_accuracy(rewards, outcomes, groups, traj_agg="median")
+
+
+def test_step_term_shares_worked_by_hand():
+    """Group u (both lost, uniform): alpha A^S (0.5, -0.25 | -0.25), A (0.5, -0.26 | -0.25)
+    (the second step malformed): 1.0 / 1.01 = 0.990099. Group m (mixed): alpha A^S (0.25 |
+    -0.25, 0), A (10.25 | -10.25, -10): 0.5 / 30.5 = 0.016393. The uniform groups' share of
+    sum |A|: 1.01 / 31.51 = 0.032053. Groups interleaved in the input."""
+    f64 = torch.float64
+    terms = [T([0.5, -0.25], dtype=f64), T([0.25], dtype=f64), T([-0.25], dtype=f64),
+             T([-0.25, 0.0], dtype=f64)]
+    advs = [T([0.5, -0.26], dtype=f64), T([10.25], dtype=f64), T([-0.25], dtype=f64),
+            T([-10.25, -10.0], dtype=f64)]
+    shares = step_term_shares(terms, advs, [False, True, False, False], ["u", "m", "u", "m"])
+    assert shares.keys() == {"step_share_uniform", "step_share_mixed", "abs_share_uniform"}
+    close(shares["step_share_uniform"], 0.990099)
+    close(shares["step_share_mixed"], 0.016393)
+    close(shares["abs_share_uniform"], 0.032053)
+    # all won is uniform too, and so is a group of one; no mixed group: NaN there
+    alone = step_term_shares([T([0.5, -0.25], dtype=f64), T([1.0], dtype=f64)],
+                             [T([0.5, -0.25], dtype=f64), T([11.0], dtype=f64)],
+                             [True, True], [0, 1])
+    close(alone["step_share_uniform"], 1.75 / 11.75)
+    close(alone["abs_share_uniform"], 1.0)
+    assert math.isnan(alone["step_share_mixed"])
+    zero = step_term_shares([torch.zeros(2, dtype=f64)], [torch.zeros(2, dtype=f64)], [True],
+                            [0])
+    assert math.isnan(zero["step_share_uniform"]) and math.isnan(zero["abs_share_uniform"])

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from sspo import (Counts, annealing_lambda, group_advantages, novelty_weight, ppo_clip_loss,
-                  rank_children, rollout_count, state_key, state_score, step_reward,
-                  transition_rewards, update_counters)
+from sspo import (Args, Counts, annealing_lambda, group_advantages, next_state_scores,
+                  novelty_weight, ppo_clip_loss, rank_children, rollout_count, state_key,
+                  state_score, step_reward, transition_rewards, update_counters)
 
 # Example A's states: (N_tot, N_suc).
 STATES = {"s_a": (0, 0), "s_b": (4, 1), "s_c": (10, 6), "s_d": (12, 1), "s_e": (20, 3),
@@ -215,3 +215,55 @@ def test_ppo_clip_loss_by_hand():
     loss = ppo_clip_loss(logp, old, ref, torch.tensor([2.0]), mask, 0.2, 0.01)
     assert loss.item() == pytest.approx(-1.711595, abs=1e-6)
     assert ppo_clip_loss(logp, old, ref, torch.tensor([2.0]), torch.zeros(1, 3)).item() == 0.0
+
+
+def test_the_gui_schedule():
+    """lambda = base (1 - exp(-t / horizon)): at t = 5000 of 10,000, 1 - e^-0.5 = 0.393469;
+    alpha is unused; at t = 1 nearly 0 (1e-4), where the log schedule is exactly 0."""
+    assert annealing_lambda(5000, schedule="gui") == pytest.approx(0.393469, abs=1e-6)
+    assert annealing_lambda(5000, 99.0, "gui", 10_000.0, 2.0) == pytest.approx(0.786939, abs=1e-6)
+    assert annealing_lambda(1, schedule="gui") == pytest.approx(9.9995e-5, rel=1e-5)
+    # S of (4, 1): exp(-0.393469 x 0.25) = 0.906316; of (10, 6): exp(-0.393469 x 0.6) = 0.789716
+    assert state_score(Counts(4, 1), 5000, schedule="gui") == pytest.approx(0.906316, abs=1e-6)
+    assert state_score(Counts(10, 6), 5000, schedule="gui") == pytest.approx(0.789716, abs=1e-6)
+    assert state_score(Counts(12, 1), 5000, schedule="gui") == 0.0  # the gate is the same
+
+
+def test_success_reward_scale():
+    """R_succ = 10 x won: N = 7, k = 0.1: w = 0.5 e^-0.7 = 0.248293; a won step from S 0.5 into
+    the terminal S 1: 0.248293 + 0.251707 x (0.5 - 1) + 0.5 x 10 = 5.122439."""
+    assert step_reward(0.5, 1.0, 7, True, True, success_reward=10.0) == pytest.approx(
+        5.122439, abs=1e-6)
+    assert step_reward(0.5, 1.0, 7, True, True) == pytest.approx(0.622439, abs=1e-6)
+    assert step_reward(0.5, 1.0, 7, True, False, success_reward=10.0) == pytest.approx(
+        0.122439, abs=1e-6)
+
+
+def test_transition_rewards_under_the_gui_schedule_and_r_succ_10():
+    """From a = (4, 1) at t = 5000 (S 0.906316, w = 0.5 e^-0.4 = 0.335160, 0.5 - w = 0.164840):
+    to b = (10, 6) (S 0.789716): 0.335160 + 0.164840 x 0.116600 = 0.354380; a terminal win:
+    0.335160 + 0.164840 x (0.906316 - 1) + 5 = 5.319717; back to a itself: 0."""
+    table = {"a": Counts(4, 1), "b": Counts(10, 6)}
+    rewards = transition_rewards(table, "a", ["b", "c", "a"], [False, True, False],
+                                 [True] * 3, 5000, terminals=[False, True, False],
+                                 schedule="gui", success_reward=10.0)
+    assert rewards == pytest.approx([0.354380, 5.319717, 0.0], abs=1e-6)
+    assert next_state_scores(table, ["b", "c", "a"], 5000, terminals=[False, True, False],
+                             schedule="gui") == pytest.approx([0.789716, 1.0, 0.906316],
+                                                              abs=1e-6)
+    assert table == {"a": Counts(4, 1), "b": Counts(10, 6)}  # read only
+
+
+def test_revised_defaults_share_states_grade_lambda_and_pay_10():
+    """The revision of 2026-11-24: keys shared across tasks, lambda = 0.5 ln t, R_succ 10, the
+    std in the group normalisation; the literal reading stays behind flags."""
+    args = Args()
+    assert args.share_states_across_tasks and args.lambda_schedule == "log"
+    assert (args.score_alpha, args.success_reward, args.use_std) == (0.5, 10.0, True)
+    shared = state_key("task 1", "You see a mug.", share_across_tasks=True)
+    assert shared == state_key("task 2", "You see a mug.", share_across_tasks=True)
+    assert state_key("task 1", "You see a mug.") != state_key("task 2", "You see a mug.")
+    # alpha 0.5, t = 10: a state with one win in four scores 10^-0.125 = 0.749894, n = 6 of 8,
+    # where the paper's 50 gives 3e-13 and n = 1
+    assert state_score(Counts(4, 1), 10, args.score_alpha) == pytest.approx(0.749894, abs=1e-6)
+    assert rollout_count(state_score(Counts(4, 1), 10, args.score_alpha)) == 6

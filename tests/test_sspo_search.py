@@ -68,7 +68,10 @@ def tokenizer():
 
 
 def small_args(**kw):
-    return Args(**{"max_rollouts": 4, "max_episode_steps": 30, **kw})
+    """K_max 4, and the literal reading (per-task keys, alpha 50, R_succ 1), whose numbers the
+    first tests work by hand; the revised defaults have tests of their own below."""
+    literal = {"share_states_across_tasks": False, "score_alpha": 50.0, "success_reward": 1.0}
+    return Args(**{"max_rollouts": 4, "max_episode_steps": 30, **literal, **kw})
 
 
 def expanded_node(search):
@@ -118,7 +121,7 @@ def test_closed_gate_truncates_without_sampling(tokenizer):
     samples, finished, records = search_round(args, tokenizer, policy, [search], table,
                                               defaultdict(float))
     assert samples == [] and policy.calls == [] and records[0]["rollouts"] == 0
-    assert finished == [(0, [root_key], False)]
+    assert finished == [(0, [root_key], False, 0)]
     assert not sspo.search_active(args, search)
 
 
@@ -184,7 +187,7 @@ def test_step_limit_children_are_scored_from_the_table(tokenizer):
                                               defaultdict(float))
     w = 0.5 * math.exp(-0.2)
     assert records[0]["rewards"] == pytest.approx([0.5, w, 0.5, w], abs=1e-6)
-    assert finished == [(0, [root_key], False)] * 4 and search["frontier"] == []
+    assert finished == [(0, [root_key], False, 1)] * 4 and search["frontier"] == []
     assert len(samples) == 4
 
 
@@ -240,3 +243,34 @@ def test_harness_sections_are_proxmos_text():
                  "process_share", "check_finite"):
         a, b = inspect.getsource(getattr(sspo, name)), inspect.getsource(getattr(proxmo, name))
         assert a == b.replace("(Eq. 13)", "(Eq. 4)"), name
+
+
+def test_round_statistics_under_the_revised_defaults(tokenizer):
+    """Shared keys, alpha 0.5, R_succ 10, K_max 4. One step before the win, the root counted on
+    four paths with one win at t = 10: S = 10^-0.125 = 0.749894, n = ceil(4 S) = 3, w =
+    0.5 e^-0.4 = 0.335160. Replies: the win (terminal, S 1), look (unvisited, S 1) and
+    inventory, whose observation's key (shared, the task's text left out) has 11 failures in 12:
+    hopeless, S = 0. Rewards: 0.335160 + 0.164840 (0.749894 - 1) + 0.5 x 10 = 5.293933; look:
+    0.293933; inventory: 0.335160 + 0.164840 x 0.749894 = 0.458773. The score difference varies
+    in the group; one child of three is hopeless; the win's path has 1 step."""
+    (task,) = envs.list_tasks("household", "train", 1)
+    saved, winning = near_win(task)
+    args = Args(max_rollouts=4, max_episode_steps=30)
+    search = new_search(args, task)
+    search["game"].restore(saved)
+    inventory = search["game"].step("inventory")[0]
+    search["root"]["snapshot"] = saved
+    key = search["root"]["keys"][0]
+    assert key == state_key("another task", search["root"]["obs"], share_across_tasks=True)
+    table = StateTable({key: Counts(4, 1), state_key("", inventory, True): Counts(12, 1)}, t=10)
+    replies = [f"<action>{winning}</action>", "<action>look</action>",
+               "<action>inventory</action>"]
+    policy = ScriptedPolicy(tokenizer, [replies])
+    samples, finished, records = search_round(args, tokenizer, policy, [search], table,
+                                              defaultdict(float))
+    record = records[0]
+    assert record["rollouts"] == 3 and len(samples) == 3
+    assert record["rewards"] == pytest.approx([5.293933, 0.293933, 0.458773], abs=1e-6)
+    assert record["w"] == pytest.approx(0.335160, abs=1e-6)
+    assert record["hopeless"] == [False, False, True] and record["score_difference_varies"]
+    assert finished == [(0, [key], True, 1)]
