@@ -255,15 +255,16 @@ def test_transition_rewards_under_the_gui_schedule_and_r_succ_10():
 
 
 def test_revised_defaults_share_states_grade_lambda_and_pay_10():
-    """The revision of 2026-11-24: keys shared across tasks, lambda = 0.5 ln t, R_succ 10, the
-    std in the group normalisation; the literal reading stays behind flags."""
+    """The revision of 2026-11-24: keys shared across tasks, lambda = 0.25 ln t (chosen on
+    valid), R_succ 10, the std in the group normalisation; the literal reading stays behind
+    flags."""
     args = Args()
     assert args.share_states_across_tasks and args.lambda_schedule == "log"
-    assert (args.score_alpha, args.success_reward, args.use_std) == (0.5, 10.0, True)
+    assert (args.score_alpha, args.success_reward, args.use_std) == (0.25, 10.0, True)
     shared = state_key("task 1", "You see a mug.", share_across_tasks=True)
     assert shared == state_key("task 2", "You see a mug.", share_across_tasks=True)
     assert state_key("task 1", "You see a mug.") != state_key("task 2", "You see a mug.")
-    # alpha 0.5, t = 10: a state with one win in four scores 10^-0.125 = 0.749894, n = 6 of 8,
-    # where the paper's 50 gives 3e-13 and n = 1
-    assert state_score(Counts(4, 1), 10, args.score_alpha) == pytest.approx(0.749894, abs=1e-6)
-    assert rollout_count(state_score(Counts(4, 1), 10, args.score_alpha)) == 6
+    # alpha 0.25, t = 10: a state with one win in four scores 10^-0.0625 = 0.865964, n = 7 of
+    # 8, where the paper's 50 gives 3e-13 and n = 1
+    assert state_score(Counts(4, 1), 10, args.score_alpha) == pytest.approx(0.865964, abs=1e-6)
+    assert rollout_count(state_score(Counts(4, 1), 10, args.score_alpha)) == 7

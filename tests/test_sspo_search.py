@@ -246,7 +246,7 @@ def test_harness_sections_are_proxmos_text():
 
 
 def test_round_statistics_under_the_revised_defaults(tokenizer):
-    """Shared keys, alpha 0.5, R_succ 10, K_max 4. One step before the win, the root counted on
+    """The revised reading at alpha 0.5: shared keys, R_succ 10, K_max 4. One step before the win, the root counted on
     four paths with one win at t = 10: S = 10^-0.125 = 0.749894, n = ceil(4 S) = 3, w =
     0.5 e^-0.4 = 0.335160. Replies: the win (terminal, S 1), look (unvisited, S 1) and
     inventory, whose observation's key (shared, the task's text left out) has 11 failures in 12:
@@ -255,7 +255,7 @@ def test_round_statistics_under_the_revised_defaults(tokenizer):
     in the group; one child of three is hopeless; the win's path has 1 step."""
     (task,) = envs.list_tasks("household", "train", 1)
     saved, winning = near_win(task)
-    args = Args(max_rollouts=4, max_episode_steps=30)
+    args = Args(max_rollouts=4, max_episode_steps=30, score_alpha=0.5)
     search = new_search(args, task)
     search["game"].restore(saved)
     inventory = search["game"].step("inventory")[0]
