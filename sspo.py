@@ -99,8 +99,8 @@ from typing import Literal
 import numpy as np
 
 # Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
-# longer on 2 idle cores, half as long next to one busy process (README, "The default run"). An
-# OMP_WAIT_POLICY of your own wins.
+# longer on 2 idle cores, half as long next to one busy process (docs/performance.md, "The
+# default run"). An OMP_WAIT_POLICY of your own wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
@@ -124,8 +124,8 @@ class Args:
     Defaults marked [preset: tiny X | real Y] depend on --model: a value that trains in minutes
     on 2 CPU cores with `--model tiny` (or tiny-scratch), the paper's (or the authors' scripts')
     value with a real model. --help shows the defaults of the --model it is given. The resolved
-    values are printed. For data parallel, launch it with accelerate (README, "More than one
-    device")."""
+    values are printed. For data parallel, launch it with accelerate (docs/running.md, "More
+    than one device")."""
 
     exp_name: str = "sspo"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -146,8 +146,8 @@ class Args:
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
     """rollout generation: transformers generate (KV cache), hf-cb (transformers continuous
     batching: paged KV cache, shared prompt prefixes; built for a GPU with flash attention) or
-    vLLM with the LoRA adapter (GPU). hf and hf-cb give the same greedy replies in fp32 (README,
-    "Rollout speed")"""
+    vLLM with the LoRA adapter (GPU). hf and hf-cb give the same greedy replies in fp32
+    (docs/running.md, "Generation backends")"""
     device: str = "cpu"
     """torch device [preset: cuda when available, else cpu]"""
     track: bool = False
@@ -253,7 +253,7 @@ class Args:
     """step samples per forward pass [preset: tiny 16 (faster on CPU than 64) | real 8]"""
     gradient_checkpointing: bool = False
     """recompute the policy's layer activations in the backward pass instead of keeping them: less
-    memory, a slower update (README, "Memory") [preset: tiny off | real on]"""
+    memory, a slower update (docs/performance.md, "Memory") [preset: tiny off | real on]"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of every optimizer step"""
     rollout_temperature: float = 1.0

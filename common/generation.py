@@ -154,9 +154,9 @@ def _decode_threads(model, device):
     """Decode a small model on one CPU thread. A decoding step of the tiny model is a few hundred
     small operations; with OpenMP's threads asleep between them (OMP_WAIT_POLICY=PASSIVE, which
     the scripts set) waking the second thread for each costs more than it saves: the decoding
-    steps took about twice as long on 2 threads as on 1 (README, "Where an iteration's time
-    goes"). A large model's decoding step is bound by reading its weights, which every thread
-    helps with."""
+    steps took about twice as long on 2 threads as on 1 (docs/performance.md, "Where an
+    iteration's time goes"). A large model's decoding step is bound by reading its weights, which
+    every thread helps with."""
     small = sum(p.numel() for p in model.parameters()) < ONE_THREAD_DECODE_PARAMETERS
     if torch.device(device).type != "cpu" or not small:
         yield
@@ -230,8 +230,8 @@ class ContinuousBatching:
 
     Each manager's KV cache is sized to the workload: `max_requests` sequences of
     `max_sequence_tokens` tokens (prompt + response) at once; more requests wait for a free
-    slot. Built for a GPU with flash attention; on CPU it is slower than hf_generate (README,
-    "Rollout speed"). close() frees the caches."""
+    slot. Built for a GPU with flash attention; on CPU it is slower than hf_generate
+    (docs/performance.md, "Rollout speed"). close() frees the caches."""
 
     PAGE_TOKENS = 64  # a page of KV cache; sequences here are short (a few hundred to 2k tokens)
     # Tokens in one forward pass. Without flash attention the engine holds a dense mask of this

@@ -324,7 +324,8 @@ def make_game(out: str, split: str, task_type: str, index: int, seed: int,
     with open(paths["domain"]) as f:
         domain = f.read()
     # The expert is stochastic (it breaks ties at random): it wins a kept game with this seed,
-    # and most games with any other (measured: README, "ALFWorld without the download").
+    # and most games with any other (measured: docs/environments.md, "ALFWorld without the
+    # download").
     expert_seed = rng.randrange(2**32)
     traj = {"task_id": trial, "task_type": task_type, "pddl_params": params,
             "scene": {"floor_plan": f"FloorPlan{scene_number}", "scene_num": scene_number,
