@@ -14,8 +14,8 @@ and how many of them won. From these counts:
   Each task is explored by a ranked depth-first search (Algorithm 1): the sampled transitions are
   ranked by reward, the best is expanded next, the others wait on a frontier stack, and a branch
   that ends (won, lost, cut or at the step limit) backtracks to the newest waiting one. No critic,
-  no reward model. --advantage grpo is the GRPO baseline on whole episodes: proxmo.py's, with
-  --learning-rate 5e-4 (its tiny preset) the same run to the bit.
+  no reward model. --advantage grpo is the GRPO baseline on whole episodes: proxmo.py's, at its
+  learning rate (BASELINE_PRESETS), the same run to the bit.
 
 The paper's text lost its equations; Eqs. 1-3 follow the authors' code and Eq. 4 is reconstructed
 from their launch scripts (the spec, ../shared/specs/sspo.md, marks each). [reconstructed] below
@@ -163,7 +163,7 @@ class Args:
     # Estimator: 3SPO's search with post-step updates, or the GRPO baseline on whole episodes.
     advantage: Literal["sspo", "grpo"] = "sspo"
     """sspo (ranked DFS, a policy update after every step, Eqs. 1-4) or grpo (--group-size
-    episodes per task, the episode z-score: proxmo.py's GRPO; its tiny learning rate is 5e-4)"""
+    episodes per task, the episode z-score: proxmo.py's GRPO, at proxmo.py's learning rate)"""
     lambda_schedule: Literal["log", "gui"] = "log"
     """Eq. 1's lambda_t: log, alpha ln t (the authors' ALFWorld code), or gui, lambda_base
     (1 - exp(-t / horizon)) (their GUI loop) [reconstructed]"""
@@ -231,8 +231,8 @@ class Args:
     """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 50]"""
     learning_rate: float = 2e-5
     """AdamW learning rate of the LoRA weights [preset: tiny 2e-5 (chosen on valid; an update
-    per search round makes about 6x GRPO's steps) | real 1e-5 (the paper's 1e-6 is for full
-    fine-tuning)]"""
+    per search round makes about 6x GRPO's steps), grpo 5e-4 | real 1e-5 (the paper's 1e-6 is
+    for full fine-tuning)]"""
     weight_decay: float = 0.0
     """AdamW weight decay of the RL update"""
     clip_eps: float = 0.2
@@ -327,17 +327,26 @@ REAL_MODEL_PRESETS = dict(iterations=150, tasks_per_iteration=16, max_episode_st
                           bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
                           eval_every=5, eval_num_tasks=0)
 TINY_SCRATCH_PRESETS = dict(bc_epochs=3)
+# --advantage grpo, by --model (tiny and tiny-scratch: "tiny"): proxmo.py's learning rates, so
+# that the baseline is proxmo.py's GRPO run to the bit (the protocol shares its records).
+BASELINE_PRESETS = {"tiny": dict(learning_rate=5e-4), "real": dict(learning_rate=1e-5)}
 
 
-def preset_args(model: str = "tiny", env: str = "household") -> Args:
-    """The defaults for `model` and `env`: the dataclass's (tiny presets), with
-    TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top."""
-    args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
+def preset_args(model: str = "tiny", env: str = "household", advantage: str = "sspo") -> Args:
+    """The defaults for `model`, `env` and `advantage`: the dataclass's (tiny presets, 3SPO),
+    with TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top, then for grpo BASELINE_PRESETS."""
+    args = Args(model=model, env=env, advantage=advantage,
+                eval_splits=envs.EVAL_SPLITS.get(env, ()),
                 device="cuda" if torch.cuda.is_available() else "cpu",
                 env_workers=envs.default_env_workers(env))
     if model == "tiny-scratch":
-        return replace(args, **TINY_SCRATCH_PRESETS)
-    return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)
+        args = replace(args, **TINY_SCRATCH_PRESETS)
+    elif model != "tiny":
+        args = replace(args, **REAL_MODEL_PRESETS)
+    if advantage == "sspo":
+        return args
+    size = "tiny" if model in ("tiny", "tiny-scratch") else "real"
+    return replace(args, **BASELINE_PRESETS[size])
 
 
 def validate_args(args: Args) -> list[str]:
@@ -425,10 +434,12 @@ def parse_args(argv: list[str]) -> Args:
     peek.add_argument("--model", default="tiny")
     peek.add_argument("--env", default="household")
     peek.add_argument("--resume", default=None)
+    peek.add_argument("--advantage", default="sspo")
     known, _ = peek.parse_known_args(argv)
     if known.resume is None:
         env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
-        return tyro.cli(Args, args=argv, default=preset_args(known.model, env))
+        advantage = "grpo" if known.advantage == "grpo" else "sspo"  # tyro rejects others
+        return tyro.cli(Args, args=argv, default=preset_args(known.model, env, advantage))
     config_file = os.path.join(known.resume, "config.json")
     if not os.path.isdir(known.resume):
         raise UsageError(f"--resume {known.resume}: no such run directory")
@@ -441,7 +452,8 @@ def parse_args(argv: list[str]) -> Args:
     if unknown:
         raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
                          f"the script does not know: {', '.join(unknown)}")
-    defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household")))
+    defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household"),
+                                  saved.get("advantage", "sspo")))
     merged = {**defaults, **saved}
     saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
     args = tyro.cli(Args, args=argv, default=saved)

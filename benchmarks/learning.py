@@ -43,9 +43,10 @@ PROTOCOL_FLAGS = ["--iterations", "20", "--tasks-per-iteration", "8"]
 # code's regime and spa.py's default).
 SCRIPT_FLAGS = {"spa.py": ["--rl-data", "online"]}
 # A baseline that is one run in two scripts: spa.py's and hisr.py's online PPO make the same
-# update from the same start (tests/test_spa_rewards.py), so spa.py's protocol reads, and runs,
-# hisr.py's PPO (only without extra flags, which would make other runs).
-SHARED = {("spa.py", "ppo"): "hisr.py"}
+# update from the same start (tests/test_spa_rewards.py), and so do sspo.py's and proxmo.py's
+# GRPO (tests/test_sspo_e2e.py), so spa.py's protocol reads, and runs, hisr.py's PPO and
+# sspo.py's proxmo.py's GRPO (only without extra flags, which would make other runs).
+SHARED = {("spa.py", "ppo"): "hisr.py", ("sspo.py", "grpo"): "proxmo.py"}
 # Each script's values of --advantage: the method first, then its baselines.
 ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"],
               "istar.py": ["istar", "rloo", "grpo"], "hisr.py": ["hisr", "ppo"],

@@ -70,9 +70,9 @@ def test_two_iterations_then_resume_match_one_run(tmp_path):
 
 
 def test_grpo_baseline_is_proxmos(tmp_path):
-    """--advantage grpo plays and updates as proxmo.py --advantage grpo: the same adapter."""
-    flags = ["--iterations", "1", "--advantage", "grpo", "--group-size", "3",
-             "--learning-rate", "5e-4", *HARNESS]
+    """--advantage grpo plays and updates as proxmo.py --advantage grpo, at its learning rate
+    (sspo.py's preset for grpo): the same adapter."""
+    flags = ["--iterations", "1", "--advantage", "grpo", "--group-size", "3", *HARNESS]
     run([*flags, "--run-dir", str(tmp_path / "sspo")], tmp_path)
     run([*flags, "--run-dir", str(tmp_path / "proxmo")], tmp_path, script="proxmo.py")
     (mine,), (theirs,) = (glob.glob(str(tmp_path / d / "*")) for d in ("sspo", "proxmo"))
