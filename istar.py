@@ -604,8 +604,9 @@ def dpo_pair_accuracy(step_rewards: list[Tensor], outcomes: list[float], group_i
     the rewards are the PRM's before its DPO step): the share of (positive, negative) pairs with
     S_pos > S_neg, S scored as the loss scores it (--traj-agg); a tie counts 1/2, so a PRM that
     tells no trajectory apart (every r_t = 0, the first iteration) scores 0.5, as chance.
-    step_rewards[i] (T_i,); the mean is over all pairs of the batch (the code's: over groups).
-    Returns (accuracy, n_pairs); (nan, 0) without any pair."""
+    step_rewards[i] (T_i,); the mean is over all pairs of the batch. The code's averages per
+    group, scores a group without pairs 0.5 and breaks ties by pair order: the two figures are
+    not to be compared directly. Returns (accuracy, n_pairs); (nan, 0) without any pair."""
     scores = [float(s) for s in trajectory_scores(step_rewards, traj_agg)]
     pairs = preference_pairs(outcomes, group_ids, pos_threshold)
     if not pairs:

@@ -31,14 +31,17 @@ marks ours. Where this script departs from the paper or chooses where it is sile
     empty frontier. One expansion may pass a budget: by fewer than K_max actions, or by up to
     K_max - 1 paths (each terminal child finishes one, and every one is counted).
   * States are keyed by the observation alone, shared across tasks, as the authors' code does
-    (65 % of the household's observations occur in more than one task); per-task keys behind
+    (65 % of the household's (task, observation) occurrences are texts shared between tasks);
+    a group is one expansion's children, never merged with another task's expansion of the
+    same key (the GUI loop groups by parent state across slots); per-task keys behind
     --no-share-states-across-tasks. "Nothing happens." keeps the current key: no novelty for a
     command that changed nothing.
   * lambda_t = alpha ln t with alpha 0.25, not the paper's 50: at 50 a state with one won path
     scores about 0 and gets one action, never a group, and the paper's case study (S about 0.3,
-    n = 3 at the 10th visit) cannot arise. 0.25 came closest to it among 0.25, 0.5, 1 and the
-    authors' GUI loop's schedule (--lambda-schedule gui, lambda_base (1 - exp(-t / horizon))
-    [reconstructed]), on short runs (docs/sspo.md).
+    n = 3 at the 10th visit) cannot arise. alpha 0.25 [reconstructed] came closest to it among
+    0.25, 0.5, 1 and the authors' GUI loop's schedule (--lambda-schedule gui, lambda_base
+    (1 - exp(-t / horizon)) [reconstructed]): the scores of the states on 8-12 finished paths
+    after 8 short training iterations (docs/sspo.md), not a valid-split success.
   * Counters change only when a path finishes: every distinct state popped on the path from the
     root, +1 visit and +1 success if it won; t counts 1 + the finished paths.
   * The terminal next state, the game's own end (a win), scores 1 exactly (the code's outcome,
@@ -171,7 +174,7 @@ class Args:
     """alpha of lambda_t = alpha ln t (Eq. 1; chosen on valid, docs/sspo.md; the paper's 50
     sends S to 0 after one won path)"""
     lambda_horizon: float = 10_000.0
-    """gui: the horizon in finished paths (the GUI loop's T / alpha = 1000 / 0.1)"""
+    """gui: the horizon, in finished paths here, in rounds there (the GUI loop's T / alpha)"""
     lambda_base: float = 1.0
     """gui: lambda_t's limit (the GUI loop's)"""
     success_reward: float = 10.0
@@ -423,9 +426,9 @@ def validate_args(args: Args) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> Args:
-    """Command line -> Args. Defaults are the presets of the --model and --env given; with
-    --resume, the run's saved configuration, which flags on the command line may not contradict
-    (only --iterations may change, with a printed note)."""
+    """Command line -> Args. Defaults are the presets of the --model, --env and --advantage
+    given (BASELINE_PRESETS); with --resume, the run's saved configuration, which flags on the
+    command line may not contradict (only --iterations may change, with a printed note)."""
     import argparse
 
     import tyro
@@ -454,6 +457,7 @@ def parse_args(argv: list[str]) -> Args:
                          f"the script does not know: {', '.join(unknown)}")
     defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household"),
                                   saved.get("advantage", "sspo")))
+    saved.setdefault("success_reward", 1.0)  # a run from before R_succ 10 paid 1
     merged = {**defaults, **saved}
     saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
     args = tyro.cli(Args, args=argv, default=saved)
@@ -576,11 +580,15 @@ def annealing_lambda(t: int, alpha: float = 50.0, schedule: str = "log",
     """lambda_t of Eq. 1, t = 1 + the finished paths so far (t >= 1). "log": alpha ln t, the
     authors' ALFWorld code (lambda_1 = 0). "gui": base (1 - exp(-t / horizon)), the schedule of
     their GUI loop, which wrote base (1 - exp(-alpha' t / T)) with alpha' 0.1 and T 1000, t
-    counting updates there (horizon = T / alpha' = 10,000) [reconstructed]; alpha is unused."""
+    counting search rounds (one update each) there; here t counts finished paths, about 2 a
+    round on the tiny protocol (horizon = T / alpha' = 10,000) [reconstructed]; alpha is
+    unused."""
     if t < 1:
         raise ValueError(f"t counts 1 + the finished paths and must be >= 1, got {t}")
     if schedule == "gui":
         return base * (1.0 - math.exp(-t / horizon))
+    if schedule != "log":
+        raise ValueError(f"schedule must be 'log' or 'gui', not {schedule!r}")
     return alpha * math.log(t)
 
 
@@ -780,7 +788,8 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
 
     Returns (samples, finished, records): samples (prompt, response_ids, advantage, logprobs) of
     every group of n >= 2 (Eq. 4's advantages); finished paths (search index, path keys, won,
-    steps played) in order, for update_counters after the round; one record per popped node, for
+    steps played, or None for a path the search cut) in order, for update_counters after the
+    round; one record per popped node, for
     the log. The table is only read."""
     finished, records, expansions = [], [], []
     start = time.perf_counter()
@@ -797,8 +806,8 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
         visits = table.counts.get(node["keys"][-1], Counts()).n_total
         records.append({"score": score, "rollouts": n, "depth": len(node["history"]),
                         "visited": visits > 0})
-        if n == 0:  # the score reached zero: this path ends here, lost
-            finished.append((index, node["keys"], False, len(node["history"])))
+        if n == 0:  # the score reached zero: this path ends here, lost, cut (no game end)
+            finished.append((index, node["keys"], False, None))
             continue
         prompt = encode_prompt(args, tokenizer, search["game"].task_description, node["history"],
                                node["obs"], node["admissible"], len(node["history"]) + 1)
@@ -865,8 +874,9 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
             advantages = group_advantages(rewards, use_std=args.use_std)  # Eq. 4
             samples += [(prompt, responses[row], float(a), logprobs[row])
                         for row, a in zip(rows, advantages)]
-        # What decides whether Eq. 2's score difference can rank a group: its weight 0.5 - w
-        # (0 at an unvisited state) and the spread of the children's scores.
+        # How much of the group's order Eq. 2's score difference decides: its term
+        # (0.5 - w)(S(s_t) - S(s_t+1)) per child (0 at an unvisited state, where w = 0.5), its
+        # spread about the group mean against the rewards' spread.
         scores_next = next_state_scores(
             table.counts, [c["key"] for c in children], table.t, args.score_alpha,
             args.fail_threshold, args.success_threshold, terminals=[c["won"] for c in children],
@@ -874,11 +884,15 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
         w = args.fixed_novelty_weight
         if w is None:
             w = novelty_weight(table.counts.get(key, Counts()).n_total, args.novelty_decay)
+        terms = np.zeros(len(children))
+        if args.score_difference_reward:
+            terms = (0.5 - w) * (record["score"] - np.array(scores_next))
         record.update(rewards=rewards, valid=[c["valid"] for c in children],
                       well_formed=[c["well_formed"] for c in children], w=w,
                       hopeless=[s == 0.0 for s in scores_next],
-                      score_difference_varies=(args.score_difference_reward and w < 0.5
-                                               and max(scores_next) > min(scores_next)))
+                      score_difference_varies=bool(terms.max() > terms.min()),
+                      score_difference_spread=float(np.abs(terms - terms.mean()).sum()),
+                      reward_spread=float(np.abs(np.array(rewards) - np.mean(rewards)).sum()))
     return samples, finished, records
 
 
@@ -1356,7 +1370,7 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
                 for reward, valid, well_formed in zip(r["rewards"], r["valid"], r["well_formed"])]
     hopeless = [h for r in expanded for h in r["hopeless"]]
     wins = [won for won, _ in finished_all]
-    lengths = [steps for _, steps in finished_all]
+    lengths = [steps for _, steps in finished_all if steps is not None]  # the game ended them
     scores = [score_of(args, table, key) for key in table.counts]
     # Sampled states with a finished path through them: at an unvisited one w = 0.5, and Eq.
     # 2's score difference weighs nothing.
@@ -1366,6 +1380,7 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
            for name, v in update_stats.items()}
     update_seconds = sum(out.get(f"time/{k}_seconds", 0.0)
                          for k in ("old_logprobs", "ref_logprobs", "update"))
+    out.update(score_difference_stats(trained, hopeless))
     out.update({
         "rollout/success": float(np.mean(wins)) if wins else 0.0,
         "rollout/episode_length": float(np.mean(lengths)) if lengths else 0.0,
@@ -1386,15 +1401,28 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
         "sspo/untrained_share": float(np.mean([r["rollouts"] == 1 for r in records])),
         "sspo/depth": float(np.mean([r["depth"] for r in records])),
         "sspo/visited_share": visited_share,
-        # Whether Eq. 2's score difference ranks anything: the share of trained groups whose
-        # score-difference term varies, their mean novelty weight, and the share of children
-        # sent to a hopeless state (S = 0, cut at the next pop).
-        "sspo/score_difference_varies": float(np.mean(
-            [r["score_difference_varies"] for r in trained])) if trained else 0.0,
-        "sspo/trained_w": float(np.mean([r["w"] for r in trained])) if trained else 0.5,
-        "sspo/hopeless_children": float(np.mean(hopeless)) if hopeless else 0.0,
         "sspo/reward_mean": float(np.mean([c[0] for c in children])) if children else 0.0})
     return out
+
+
+def score_difference_stats(trained: list[dict], hopeless: list[bool]) -> dict:
+    """Whether Eq. 2's score difference ranks anything, from search_round's records of the
+    trained groups (n >= 2): the share whose score-difference term varies, the term's share of
+    the rewards' spread about their group means (sums over all of them), their mean novelty
+    weight w; and the share of children sent to a hopeless state (S = 0). A figure without any
+    group or child to measure is left out."""
+    stats = {}
+    if trained:
+        stats["sspo/score_difference_varies"] = float(np.mean(
+            [r["score_difference_varies"] for r in trained]))
+        stats["sspo/trained_w"] = float(np.mean([r["w"] for r in trained]))
+        spread = sum(r["reward_spread"] for r in trained)
+        if spread > 0:
+            stats["sspo/score_difference_share"] = sum(
+                r["score_difference_spread"] for r in trained) / spread
+    if hopeless:
+        stats["sspo/hopeless_children"] = float(np.mean(hopeless))
+    return stats
 
 
 def save_checkpoint(path: str, model, base_model: str, args: Args, iteration: int,

@@ -157,3 +157,21 @@ def test_spa_reads_hisr_ppo_records(tmp_path, monkeypatch, capsys):
     assert re.findall(r"^\| spa\.py \| (\w+) \| 1 \|", out, re.MULTILINE) == ["spa", "ppo"]
     assert (tmp_path / "results" / "test" / "spa.py" / "table.md").is_file()
     assert not (tmp_path / "results" / "test" / "hisr.py" / "table.md").exists()
+
+
+def test_sspo_reads_proxmo_grpo_records(tmp_path, monkeypatch, capsys):
+    """sspo.py's GRPO is proxmo.py's (the same run): its protocol reads proxmo.py's records."""
+    import learning
+
+    monkeypatch.setattr(learning, "RESULTS", str(tmp_path / "results"))
+    for script, name in (("sspo.py", "sspo"), ("proxmo.py", "grpo")):
+        record = {**_record(0.5, 0.6), "script": script, "split": "test", "eval_num_tasks": 0,
+                  "flags": PROTOCOL_FLAGS}
+        place = tmp_path / "results" / "test" / script
+        place.mkdir(parents=True)
+        (place / f"{name}-seed1.json").write_text(json.dumps(record))
+    learning.main(["--script", "sspo.py", "--seeds", "1", "--finished-only", "--runs",
+                   str(tmp_path / "runs")])
+    out = capsys.readouterr().out
+    assert "grpo: proxmo.py's runs (the same update)" in out
+    assert re.findall(r"^\| sspo\.py \| (\w+) \| 1 \|", out, re.MULTILINE) == ["sspo", "grpo"]

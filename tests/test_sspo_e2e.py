@@ -55,6 +55,14 @@ def test_two_iterations_then_resume_match_one_run(tmp_path):
     assert 0 < tracked[0] <= tracked[1] and t == [1 + paths[0], 1 + paths[0] + paths[1]]
     assert 0 < logged.Scalars("sspo/rollouts_per_step")[0].value <= 4
     assert logged.Scalars("sspo/updates")[0].value >= 1
+    for name in ("sspo/score_difference_varies", "sspo/trained_w", "rollout/episode_length"):
+        assert 0 <= logged.Scalars(name)[1].value, name
+    # benchmarks/sspo_scores.py reads the run: one row, iterations 1-2 averaged
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from sspo_scores import main as scores_table
+
+    row = scores_table([str(tmp_path / "whole"), "--first", "1", "--last", "2"]).split("\n")[2]
+    assert row.startswith("| whole | ") and row.count(" | ") == 8
     run(["--iterations", "1", "--run-dir", str(tmp_path / "split"), *SMALL], tmp_path)
     (split_path,) = glob.glob(str(tmp_path / "split" / "*"))
     resumed = run(["--resume", split_path, "--iterations", "2"], tmp_path)

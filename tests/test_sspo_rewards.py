@@ -223,6 +223,8 @@ def test_the_gui_schedule():
     assert annealing_lambda(5000, schedule="gui") == pytest.approx(0.393469, abs=1e-6)
     assert annealing_lambda(5000, 99.0, "gui", 10_000.0, 2.0) == pytest.approx(0.786939, abs=1e-6)
     assert annealing_lambda(1, schedule="gui") == pytest.approx(9.9995e-5, rel=1e-5)
+    with pytest.raises(ValueError, match="schedule"):
+        annealing_lambda(5, schedule="linear")
     # S of (4, 1): exp(-0.393469 x 0.25) = 0.906316; of (10, 6): exp(-0.393469 x 0.6) = 0.789716
     assert state_score(Counts(4, 1), 5000, schedule="gui") == pytest.approx(0.906316, abs=1e-6)
     assert state_score(Counts(10, 6), 5000, schedule="gui") == pytest.approx(0.789716, abs=1e-6)

@@ -96,6 +96,9 @@ def test_round_ranks_pushes_and_trains(tokenizer):
                                               defaultdict(float))
     assert finished == [] and table.counts == {} and table.t == 1  # read only
     assert records[0]["rollouts"] == 4 and records[0]["score"] == 1.0
+    # an unvisited state: w = 0.5, so Eq. 2's score difference weighs nothing
+    assert records[0]["w"] == 0.5 and not records[0]["score_difference_varies"]
+    assert records[0]["score_difference_spread"] == 0.0
     assert records[0]["rewards"] == pytest.approx([0.5, 0.5, 0.5, -0.1])
     assert records[0]["well_formed"] == [True, True, True, False]
     assert [a for _, _, a, _ in samples] == pytest.approx([0.5, 0.5, 0.5, -1.5], abs=1e-5)
@@ -121,7 +124,7 @@ def test_closed_gate_truncates_without_sampling(tokenizer):
     samples, finished, records = search_round(args, tokenizer, policy, [search], table,
                                               defaultdict(float))
     assert samples == [] and policy.calls == [] and records[0]["rollouts"] == 0
-    assert finished == [(0, [root_key], False, 0)]
+    assert finished == [(0, [root_key], False, None)]  # cut: no game end, no episode length
     assert not sspo.search_active(args, search)
 
 
@@ -246,13 +249,16 @@ def test_harness_sections_are_proxmos_text():
 
 
 def test_round_statistics_under_the_revised_defaults(tokenizer):
-    """The revised reading at alpha 0.5: shared keys, R_succ 10, K_max 4. One step before the win, the root counted on
-    four paths with one win at t = 10: S = 10^-0.125 = 0.749894, n = ceil(4 S) = 3, w =
-    0.5 e^-0.4 = 0.335160. Replies: the win (terminal, S 1), look (unvisited, S 1) and
-    inventory, whose observation's key (shared, the task's text left out) has 11 failures in 12:
-    hopeless, S = 0. Rewards: 0.335160 + 0.164840 (0.749894 - 1) + 0.5 x 10 = 5.293933; look:
-    0.293933; inventory: 0.335160 + 0.164840 x 0.749894 = 0.458773. The score difference varies
-    in the group; one child of three is hopeless; the win's path has 1 step."""
+    """The revised reading at alpha 0.5: shared keys, R_succ 10, K_max 4. One step before the
+    win, the root counted on four paths with one win at t = 10: S = 10^-0.125 = 0.749894,
+    n = ceil(4 S) = 3, w = 0.5 e^-0.4 = 0.335160. Replies: the win (terminal, S 1), look
+    (unvisited, S 1) and inventory, whose observation's key (shared, the task's text left out)
+    has 11 failures in 12: hopeless, S = 0. Rewards: 0.335160 + 0.164840 (0.749894 - 1) + 0.5 x
+    10 = 5.293933; look: 0.293933; inventory: 0.335160 + 0.164840 x 0.749894 = 0.458773. The
+    score difference varies in the group: its terms 0.164840 (0.749894 - S') are -0.041228,
+    -0.041228 and 0.123613, their spread about their mean 0.013719 is 0.054947 x 2 + 0.109894 =
+    0.219787, the rewards' about 2.015546 is 3.278387 + 1.721613 + 1.556773 = 6.556773. One
+    child of three is hopeless; the win's path has 1 step."""
     (task,) = envs.list_tasks("household", "train", 1)
     saved, winning = near_win(task)
     args = Args(max_rollouts=4, max_episode_steps=30, score_alpha=0.5)
@@ -273,4 +279,21 @@ def test_round_statistics_under_the_revised_defaults(tokenizer):
     assert record["rewards"] == pytest.approx([5.293933, 0.293933, 0.458773], abs=1e-6)
     assert record["w"] == pytest.approx(0.335160, abs=1e-6)
     assert record["hopeless"] == [False, False, True] and record["score_difference_varies"]
+    assert record["score_difference_spread"] == pytest.approx(0.219787, abs=1e-6)
+    assert record["reward_spread"] == pytest.approx(6.556773, abs=1e-6)
     assert finished == [(0, [key], True, 1)]
+
+
+def test_score_difference_stats_by_hand():
+    """Two trained groups: the term varies in one (w 0.3, spreads 0.2 of the rewards' 1.0), not
+    in the other (w 0.5, rewards' spread 0.6): varies 1/2, w 0.4, share 0.2 / 1.6 = 0.125; one
+    hopeless child of four. Without groups or children the figures are left out."""
+    trained = [{"score_difference_varies": True, "w": 0.3, "score_difference_spread": 0.2,
+                "reward_spread": 1.0},
+               {"score_difference_varies": False, "w": 0.5, "score_difference_spread": 0.0,
+                "reward_spread": 0.6}]
+    stats = sspo.score_difference_stats(trained, [False, False, True, False])
+    assert stats == pytest.approx({"sspo/score_difference_varies": 0.5, "sspo/trained_w": 0.4,
+                                   "sspo/score_difference_share": 0.125,
+                                   "sspo/hopeless_children": 0.25})
+    assert sspo.score_difference_stats([], []) == {}
