@@ -292,7 +292,7 @@ def plot(script: str, split: str, results: dict[str, dict[int, dict]], pairs: di
         right.errorbar([k + 0.15], [mean], yerr=[0 if math.isnan(se) else 2 * se], fmt="o",
                        capsize=4)
     right.axhline(0, color="black", linewidth=0.8)
-    right.set_xlim(-0.5, len(pairs) - 0.5)
+    right.set_xlim(-0.5, max(len(pairs), 1) - 0.5)  # no pair yet: an empty panel
     right.set_xticks(range(len(pairs)), [f"{m} - {p['baseline']}\n({len(p['seeds'])} seeds)"
                                          for m, p in pairs.items()], fontsize=8)
     right.set_ylabel(f"paired difference of {split} gains")
