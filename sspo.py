@@ -232,10 +232,10 @@ class Args:
     """grpo: N trajectories per task (a group); 1 makes every advantage 0"""
     max_episode_steps: int = 30
     """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 50]"""
-    learning_rate: float = 2e-5
-    """AdamW learning rate of the LoRA weights [preset: tiny 2e-5 (chosen on valid; an update
-    per search round makes about 6x GRPO's steps), grpo 5e-4 | real 1e-5 (the paper's 1e-6 is
-    for full fine-tuning)]"""
+    learning_rate: float = 5e-6
+    """AdamW learning rate of the LoRA weights [preset: tiny 5e-6 (chosen on valid, docs/sspo.md;
+    an update per search round makes about 8x GRPO's steps), grpo 5e-4 | real 1e-5 (the
+    paper's 1e-6 is for full fine-tuning)]"""
     weight_decay: float = 0.0
     """AdamW weight decay of the RL update"""
     clip_eps: float = 0.2
