@@ -749,20 +749,13 @@ def step_term_shares(step_terms: list[Tensor], advantages: list[Tensor], won: li
 
 def istar_step_terms(args: Args, trajectories: list[dict]) -> list[Tensor]:
     """alpha * A^S (T_i,) of every trajectory of an iStar batch: the step part of
-    compute_advantages' advantages (its rescaling and estimator; the outcomes are not read)."""
+    compute_advantages' advantages, as istar_batch_advantages computes it (its rescaling and
+    estimator) with every outcome 0, whose episode term is exactly 0."""
     step_rewards = [torch.tensor(t["step_rewards"], dtype=torch.float64) for t in trajectories]
-    if args.step_reward_scale == "max_abs":
-        step_rewards = scale_step_rewards_max_abs(step_rewards)
-    members: dict = defaultdict(list)
-    for i, t in enumerate(trajectories):
-        members[t["group"]].append(i)
-    out: list[Tensor] = [torch.empty(0)] * len(trajectories)
-    for idx in members.values():
-        steps = step_advantages([step_rewards[i] for i in idx], args.estimator,
-                                use_std=args.use_std)
-        for i, s in zip(idx, steps):
-            out[i] = args.step_weight * s
-    return out
+    return istar_batch_advantages([0.0] * len(trajectories), step_rewards,
+                                  [t["group"] for t in trajectories], args.step_weight,
+                                  args.estimator, use_std=args.use_std,
+                                  step_reward_scale=args.step_reward_scale)
 
 
 def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:

@@ -136,23 +136,31 @@ def test_spa_runs_its_own_estimators_by_default(tmp_path):
     assert "| spa | ppo | 1 |" in result.stdout
 
 
+def _protocol_from_records(tmp_path, monkeypatch, capsys, script, records):
+    """learning.py --finished-only on test seed 1 of `script`, from records written under a
+    temporary RESULTS: (script, estimator, extra flags) each, in the script's place. Returns
+    what it printed."""
+    import learning
+
+    monkeypatch.setattr(learning, "RESULTS", str(tmp_path / "results"))
+    for place_script, name, flags in records:
+        record = {**_record(0.5, 0.6), "script": place_script, "split": "test",
+                  "eval_num_tasks": 0, "flags": PROTOCOL_FLAGS + flags}
+        place = tmp_path / "results" / "test" / place_script
+        place.mkdir(parents=True)
+        (place / f"{name}-seed1.json").write_text(json.dumps(record))
+    learning.main(["--script", script, "--seeds", "1", "--finished-only", "--runs",
+                   str(tmp_path / "runs")])
+    return capsys.readouterr().out
+
+
 def test_spa_reads_hisr_ppo_records(tmp_path, monkeypatch, capsys):
     """spa.py's protocol takes its PPO baseline from hisr.py's records (the same update), in
     hisr.py's place, with hisr.py's flags; its own SPA records in spa.py's place, with
     --rl-data online. No run starts (--finished-only)."""
-    import learning
-
-    monkeypatch.setattr(learning, "RESULTS", str(tmp_path / "results"))
-    for script, name, flags in (("spa.py", "spa", ["--rl-data", "online"]),
-                                ("hisr.py", "ppo", [])):
-        record = {**_record(0.5, 0.6), "script": script, "split": "test", "eval_num_tasks": 0,
-                  "flags": PROTOCOL_FLAGS + flags}
-        place = tmp_path / "results" / "test" / script
-        place.mkdir(parents=True)
-        (place / f"{name}-seed1.json").write_text(json.dumps(record))
-    learning.main(["--script", "spa.py", "--seeds", "1", "--finished-only", "--runs",
-                   str(tmp_path / "runs")])
-    out = capsys.readouterr().out
+    out = _protocol_from_records(tmp_path, monkeypatch, capsys, "spa.py",
+                                 [("spa.py", "spa", ["--rl-data", "online"]),
+                                  ("hisr.py", "ppo", [])])
     assert "ppo: hisr.py's runs (the same update)" in out
     assert re.findall(r"^\| spa\.py \| (\w+) \| 1 \|", out, re.MULTILINE) == ["spa", "ppo"]
     assert (tmp_path / "results" / "test" / "spa.py" / "table.md").is_file()
@@ -161,17 +169,7 @@ def test_spa_reads_hisr_ppo_records(tmp_path, monkeypatch, capsys):
 
 def test_sspo_reads_proxmo_grpo_records(tmp_path, monkeypatch, capsys):
     """sspo.py's GRPO is proxmo.py's (the same run): its protocol reads proxmo.py's records."""
-    import learning
-
-    monkeypatch.setattr(learning, "RESULTS", str(tmp_path / "results"))
-    for script, name in (("sspo.py", "sspo"), ("proxmo.py", "grpo")):
-        record = {**_record(0.5, 0.6), "script": script, "split": "test", "eval_num_tasks": 0,
-                  "flags": PROTOCOL_FLAGS}
-        place = tmp_path / "results" / "test" / script
-        place.mkdir(parents=True)
-        (place / f"{name}-seed1.json").write_text(json.dumps(record))
-    learning.main(["--script", "sspo.py", "--seeds", "1", "--finished-only", "--runs",
-                   str(tmp_path / "runs")])
-    out = capsys.readouterr().out
+    out = _protocol_from_records(tmp_path, monkeypatch, capsys, "sspo.py",
+                                 [("sspo.py", "sspo", []), ("proxmo.py", "grpo", [])])
     assert "grpo: proxmo.py's runs (the same update)" in out
     assert re.findall(r"^\| sspo\.py \| (\w+) \| 1 \|", out, re.MULTILINE) == ["sspo", "grpo"]
