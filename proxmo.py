@@ -16,8 +16,8 @@ Run:
     python proxmo.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the paper's
     accelerate launch --multi_gpu --num_processes 8 proxmo.py --env alfworld ...  # data parallel
 
-Sections: 1 arguments, 2 prompts and parsing, 3 ProxMO advantages, 4 GRPO/GiGPO baselines,
-5 policy loss, 6 rollouts, 7 behavior cloning, 8 evaluation, 9 training loop.
+Sections: 1 ProxMO advantages, 2 GRPO/GiGPO baselines, 3 policy loss, 4 arguments, 5 rollouts, 6
+behavior cloning, 7 evaluation, 8 training loop.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import math
 import os
 import random
 import re
-import shlex
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
@@ -43,404 +42,24 @@ import numpy as np
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
-from accelerate.utils import broadcast, broadcast_object_list, gather_object, reduce
+from accelerate.utils import gather_object
 from torch import Tensor
 
 import envs
-from common import UsageError
+from common import UsageError, config
+from common.dist import (batch_offsets, launch_errors, mean_across_processes, process_share,
+                         same_start, sum_across_processes)
 from common.envbatch import EnvBatch
-from common.generation import ContinuousBatching, hf_generate, make_vllm_engine, vllm_generate
-from common.model import (add_lora, eos_token_ids, load_lora, load_model_and_tokenizer, merge_lora,
-                          pad_prompt_response, resolve_model_name, response_logprobs)
+from common.generation import Policy, make_vllm_engine
+from common.model import (add_lora, length_sorted_chunks, load_lora, load_model_and_tokenizer,
+                          merge_lora, pad_prompt_response, pad_rows, resolve_model_name,
+                          response_logprobs)
 from common.progress import Progress
+from common.run import Run, check_finite, seed_everything
+from envs.text import PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
 
 
-# ---- 1. Arguments -------------------------------------------------------------------------------
-@dataclass
-class Args:
-    """ProxMO (and the GRPO / GiGPO baselines) for multi-turn LLM agents.
-
-    Defaults marked [preset: tiny X | real Y] depend on --model: a value that trains in minutes
-    on 2 CPU cores with `--model tiny` (or tiny-scratch), the paper's (or the authors' scripts')
-    value with a real model. --help shows the defaults of the --model it is given. The resolved
-    values are printed. For data parallel, launch it with accelerate (docs/running.md, "More
-    than one device")."""
-
-    exp_name: str = "proxmo"
-    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
-    seed: int = 1
-    """seeds python, numpy and torch (task sampling, LoRA init, rollout sampling); evaluations
-    draw from their own generator seeded with it"""
-    env: Literal["household", "alfworld"] = "household"
-    """household (built in, no download) or alfworld (needs $ALFWORLD_DATA: the benchmark's games
-    from alfworld-download, or games made offline by `python -m envs.alfworld_games`, real engine
-    but not the benchmark's games, so not comparable with published numbers)"""
-    env_workers: int = 0
-    """processes that step a batch's games at once (0: this process); ALFWorld's engine takes
-    about 0.6 s to load and reset a game [preset: household 0 | alfworld the CPU cores, shared
-    among data-parallel processes, at most 16]"""
-    model: str = "tiny"
-    """local directory, hub id, bare Qwen name (Qwen2.5-1.5B-Instruct), tiny (the shipped
-    household start, assets/tiny-household) or tiny-scratch (random weights; BC first)"""
-    backend: Literal["hf", "hf-cb", "vllm"] = "hf"
-    """rollout generation: transformers generate (KV cache), hf-cb (transformers continuous
-    batching: paged KV cache, shared prompt prefixes; built for a GPU with flash attention) or
-    vLLM with the LoRA adapter (GPU). hf and hf-cb give the same greedy replies in fp32
-    (docs/running.md, "Generation backends")"""
-    device: str = "cpu"
-    """torch device [preset: cuda when available, else cpu]"""
-    track: bool = False
-    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
-    wandb_project: str = "llm-agent-credit-assignment"
-    """Weights & Biases project of --track"""
-    run_dir: str = "runs"
-    """where run directories are created"""
-    resume: str | None = None
-    """a run directory (runs/NAME) to continue from its last checkpoint, with its saved
-    configuration; only --iterations and --device may differ from it"""
-
-    # Advantage estimator: the method and the baselines it is compared against.
-    advantage: Literal["proxmo", "grpo", "gigpo"] = "proxmo"
-    """proxmo (Eqs. 5-12), grpo (episode z-score only) or gigpo (exact-match anchor states)"""
-    psc_alpha: float = 4.0
-    """alpha, steepness of the success-rate modulation (Eq. 6)"""
-    psc_beta: float = 0.1
-    """beta, strength of the success-rate modulation (Eq. 6); 0 gives GRPO's episode term"""
-    proximity_temperature: float = 0.1
-    """tau of the softmax over TF-IDF similarities (Eq. 10)"""
-    gamma: float = 0.95
-    """discount of step returns (Eq. 8)"""
-    step_weight: float = 1.0
-    """omega, weight of the step advantage (Eq. 12); 0 with --psc-beta 0 gives GRPO"""
-    use_std: bool = True
-    """divide episode (and GiGPO anchor) advantages by the group std, as the paper; --no-use-std
-    only subtracts the mean, as the authors' launch scripts"""
-    tfidf_max_features: int = 1024
-    """vocabulary size of the TF-IDF over observation texts (Eq. 9)"""
-    invalid_action_penalty: float = 0.01
-    """subtracted from the final advantage of every malformed reply (no <action> tag, with
-    --reasoning no <think> tag, or Chinese characters), the same for every --advantage"""
-
-    # RL
-    iterations: int = 8
-    """training iterations; 0 = behavior cloning and the start evaluation only
-    [preset: tiny 8 | real 150]"""
-    tasks_per_iteration: int = 4
-    """training tasks per iteration, each played --group-size times [preset: tiny 4 | real 16]"""
-    group_size: int = 8
-    """N trajectories per task (a group); 1 makes every episode advantage 0"""
-    max_episode_steps: int = 30
-    """step limit of a game [preset: tiny 30 (the household expert needs at most 27) | real 50]"""
-    learning_rate: float = 5e-4
-    """AdamW learning rate of the LoRA weights [preset: tiny 5e-4 | real 1e-5 (the paper's 1e-6
-    is for full fine-tuning)]"""
-    weight_decay: float = 0.0
-    """AdamW weight decay of the RL update"""
-    clip_eps: float = 0.2
-    """PPO clip range epsilon of the ratio (Eq. 13)"""
-    clip_ratio_c: float | None = None
-    """dual-clip bound c > 1: for negative advantages the loss is at most -c * A (off by default;
-    veRL's 3.0)"""
-    kl_coef: float = 0.01
-    """weight of the k3 KL penalty to the reference policy (the adapter disabled); 0 skips the
-    reference pass"""
-    entropy_coef: float = 0.0
-    """weight of the entropy bonus"""
-    ppo_epochs: int = 1
-    """passes over an iteration's step samples"""
-    minibatch_size: int = 256
-    """step samples per optimizer step"""
-    micro_batch_size: int = 16
-    """step samples per forward pass [preset: tiny 16 (faster on CPU than 64) | real 8]"""
-    gradient_checkpointing: bool = False
-    """recompute the policy's layer activations in the backward pass instead of keeping them: less
-    memory, a slower update (docs/performance.md, "Memory") [preset: tiny off | real on]"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip of every optimizer step"""
-    rollout_temperature: float = 1.0
-    """sampling temperature of training rollouts; PPO scores responses under the same tempered
-    policy, softmax(logits / temperature)"""
-    eval_top_p: float = 1.0
-    """nucleus sampling of evaluation (1 = off); training rollouts always sample the full
-    softmax(logits / T) that PPO scores"""
-    max_new_tokens: int = 12
-    """response length limit [preset: tiny 12 | real 512]"""
-    max_prompt_tokens: int = 2048
-    """prompt length limit; longer prompts drop their oldest history pairs first"""
-    history_length: int = 1
-    """past (observation, action) pairs shown in the prompt [preset: tiny 1 | real 2 (paper)]"""
-    reasoning: bool = False
-    """ask for <think> reasoning before the action [preset: tiny off | real on]"""
-
-    # LoRA
-    lora_r: int = 16
-    """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
-    lora_alpha: int = 32
-    """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
-
-    # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
-    bc_epochs: int = 0
-    """epochs of BC before RL; 0 skips it [preset: tiny 0 (the shipped model is cloned already)
-    | tiny-scratch 3 | real 0]"""
-    bc_full_params: bool = True
-    """train every weight during BC instead of a LoRA adapter [preset: tiny on (random
-    embeddings are out of LoRA's reach) | real off]"""
-    bc_num_tasks: int = 400
-    """training tasks the expert plays for BC demonstrations"""
-    bc_noise: float = 0.2
-    """share of demonstration steps where a mistake is executed instead of the expert's action
-    (the label stays the expert's), so BC also sees recoveries"""
-    bc_prompt_loss_weight: float = 1.0
-    """weight of the prompt tokens' next-token loss in BC (see bc_loss)
-    [preset: tiny 1 | real 0]"""
-    bc_learning_rate: float = 2e-3
-    """AdamW learning rate of behavior cloning [preset: tiny 2e-3 | real 1e-4]"""
-    bc_batch_size: int = 8
-    """demonstration steps per BC update [preset: tiny 8 | real 16]"""
-
-    # Evaluation
-    eval_splits: tuple[str, ...] = ("test",)
-    """splits to evaluate on, the first is the headline [preset: household test | alfworld
-    valid_unseen valid_seen (unseen is the papers' headline)]"""
-    eval_every: int = 8
-    """iterations between evaluations, besides iteration 0 and the last
-    [preset: tiny 8 | real 5]"""
-    eval_num_tasks: int = 200
-    """first tasks of each split to evaluate; 0 = the whole split [preset: tiny 200 | real 0]"""
-    eval_temperature: float = 0.4
-    """sampling temperature of evaluation (the paper's 0.4; 0 is greedy)"""
-    save_every: int = 10
-    """iterations between checkpoints (the last iteration is always saved)"""
-
-    # vLLM
-    vllm_gpu_memory_utilization: float = 0.35
-    """share of GPU memory vLLM may take (the rest holds the training model)"""
-
-
-REAL_MODEL_PRESETS = dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50,
-                          learning_rate=1e-5, micro_batch_size=8,
-                          gradient_checkpointing=True, max_new_tokens=512,
-                          history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,
-                          bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16,
-                          eval_every=5, eval_num_tasks=0)
-TINY_SCRATCH_PRESETS = dict(bc_epochs=3)
-
-
-def preset_args(model: str = "tiny", env: str = "household") -> Args:
-    """The defaults for `model` and `env`: the dataclass's (tiny presets), with
-    TINY_SCRATCH_PRESETS or REAL_MODEL_PRESETS on top."""
-    args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
-                device="cuda" if torch.cuda.is_available() else "cpu",
-                env_workers=envs.default_env_workers(env))
-    if model == "tiny-scratch":
-        return replace(args, **TINY_SCRATCH_PRESETS)
-    return args if model == "tiny" else replace(args, **REAL_MODEL_PRESETS)
-
-
-def validate_args(args: Args) -> list[str]:
-    """One line per nonsensical value; [] when all are usable."""
-    a = args
-    floats = [f.name for f in fields(Args) if isinstance(getattr(a, f.name), float)]
-    rules = [(math.isfinite(getattr(a, name)), f"--{name.replace('_', '-')} must be finite")
-             for name in floats]
-    rules += [
-        (0 <= a.seed < 2**32, "--seed must be in [0, 2**32)"),
-        (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
-         f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
-        (a.iterations >= 0, "--iterations must be >= 0"),
-        (a.model != "tiny" or a.env == "household",
-         f"--model tiny knows only the household's words; for --env {a.env} use --model "
-         "tiny-scratch (words from ALFWorld's grammar) or a real one, e.g. Qwen2.5-1.5B-Instruct"),
-        (a.tasks_per_iteration >= 1, "--tasks-per-iteration must be >= 1"),
-        (a.group_size >= 1, "--group-size must be >= 1"),
-        (a.max_episode_steps >= 1, "--max-episode-steps must be >= 1"),
-        (a.env_workers >= 0, "--env-workers must be >= 0 (0 = step the games in this process)"),
-        (a.learning_rate > 0, "--learning-rate must be > 0"),
-        (a.weight_decay >= 0, "--weight-decay must be >= 0"),
-        (0 < a.clip_eps < 1, "--clip-eps must be in (0, 1)"),
-        (a.clip_ratio_c is None or a.clip_ratio_c > 1, "--clip-ratio-c must be > 1"),
-        (a.kl_coef >= 0, "--kl-coef must be >= 0"),
-        (a.entropy_coef >= 0, "--entropy-coef must be >= 0"),
-        (a.ppo_epochs >= 1, "--ppo-epochs must be >= 1"),
-        (a.minibatch_size >= 1, "--minibatch-size must be >= 1"),
-        (a.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
-        (a.max_grad_norm > 0, "--max-grad-norm must be > 0"),
-        (a.rollout_temperature > 0,
-         "--rollout-temperature must be > 0: the N trajectories of a group must be sampled"),
-        (0 < a.eval_top_p <= 1, "--eval-top-p must be in (0, 1]"),
-        (a.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
-        (a.max_prompt_tokens >= 1, "--max-prompt-tokens must be >= 1"),
-        (a.history_length >= 0, "--history-length must be >= 0"),
-        (a.psc_alpha >= 0, "--psc-alpha must be >= 0"),
-        (a.psc_beta >= 0, "--psc-beta must be >= 0"),
-        (a.proximity_temperature > 0, "--proximity-temperature must be > 0"),
-        (0 < a.gamma <= 1, "--gamma must be in (0, 1]"),
-        (a.step_weight >= 0, "--step-weight must be >= 0"),
-        (a.tfidf_max_features >= 1, "--tfidf-max-features must be >= 1"),
-        (a.invalid_action_penalty >= 0, "--invalid-action-penalty must be >= 0"),
-        (a.lora_r >= 1, "--lora-r must be >= 1"),
-        (a.lora_alpha > 0, "--lora-alpha must be > 0"),
-        (0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
-        (a.bc_epochs >= 0, "--bc-epochs must be >= 0"),
-        (a.bc_num_tasks >= 1, "--bc-num-tasks must be >= 1"),
-        (0 <= a.bc_noise <= 1, "--bc-noise must be in [0, 1]"),
-        (a.bc_prompt_loss_weight >= 0, "--bc-prompt-loss-weight must be >= 0"),
-        (a.bc_learning_rate > 0, "--bc-learning-rate must be > 0"),
-        (a.bc_batch_size >= 1, "--bc-batch-size must be >= 1"),
-        (len(a.eval_splits) >= 1, "--eval-splits needs at least one split"),
-        (all(s in envs.SPLITS[a.env] for s in a.eval_splits),
-         f"--eval-splits must be among {', '.join(envs.SPLITS[a.env])} for --env {a.env}"),
-        (a.eval_every >= 1, "--eval-every must be >= 1"),
-        (a.eval_num_tasks >= 0, "--eval-num-tasks must be >= 0 (0 = the whole split)"),
-        (a.eval_temperature >= 0, "--eval-temperature must be >= 0 (0 = greedy)"),
-        (a.save_every >= 1, "--save-every must be >= 1"),
-        (0 < a.vllm_gpu_memory_utilization <= 1,
-         "--vllm-gpu-memory-utilization must be in (0, 1]"),
-        (a.backend != "vllm" or a.device.startswith("cuda"),
-         "--backend vllm needs a CUDA GPU; use --backend hf or hf-cb on CPU"),
-    ]
-    return [message for ok, message in rules if not ok]
-
-
-def parse_args(argv: list[str]) -> Args:
-    """Command line -> Args. Defaults are the presets of the --model and --env given; with
-    --resume, the run's saved configuration, which flags on the command line may not contradict
-    (only --iterations may change, with a printed note)."""
-    import argparse
-
-    import tyro
-
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--model", default="tiny")
-    peek.add_argument("--env", default="household")
-    peek.add_argument("--resume", default=None)
-    known, _ = peek.parse_known_args(argv)
-    if known.resume is None:
-        env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
-        return tyro.cli(Args, args=argv, default=preset_args(known.model, env))
-    config_file = os.path.join(known.resume, "config.json")
-    if not os.path.isdir(known.resume):
-        raise UsageError(f"--resume {known.resume}: no such run directory")
-    if not os.path.isfile(config_file):
-        raise UsageError(f"--resume {known.resume}: no config.json in it (not a run directory of "
-                         "this script?)")
-    with open(config_file) as f:
-        saved = json.load(f)["args"]
-    unknown = sorted(set(saved) - {f.name for f in fields(Args)})
-    if unknown:
-        raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
-                         f"the script does not know: {', '.join(unknown)}")
-    defaults = asdict(preset_args(saved.get("model", "tiny"), saved.get("env", "household")))
-    merged = {**defaults, **saved}
-    saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
-    args = tyro.cli(Args, args=argv, default=saved)
-    overridable = ("iterations", "device")
-    changed = [f.name for f in fields(Args) if f.name not in ("resume", *overridable)
-               and getattr(args, f.name) != getattr(saved, f.name)]
-    if changed:
-        contradictions = [f"--{n.replace('_', '-')} {getattr(args, n)} "
-                          f"(saved: {getattr(saved, n)})" for n in changed]
-        raise UsageError("--resume continues the saved configuration; these flags contradict it: "
-                         + ", ".join(contradictions))
-    for name in overridable:
-        given, before = getattr(args, name), getattr(saved, name)
-        if given != before:
-            print(f"note: --{name} {given} overrides the saved {before}")
-    return args
-
-
-# ---- 2. Prompts and action parsing --------------------------------------------------------------
-PROMPT_INTRO = "You are an agent in a household. Your task is to: {task}"
-PROMPT_HISTORY = "You have taken {steps} step(s). Your last {k} observation(s) and action(s):"
-PROMPT_NOW = "Step {step}. Current observation: {obs}\nAdmissible actions: {actions}"
-ASK_REASONING = ("First think step by step inside <think> </think>, then give exactly one "
-                 "admissible action inside <action> </action>.")
-ASK_ACTION = "Reply with exactly one admissible action inside <action> </action>."
-PROMPT_WORDS = re.findall(r"[a-z]+", " ".join([PROMPT_INTRO, PROMPT_HISTORY, PROMPT_NOW,
-                                               ASK_REASONING, ASK_ACTION,
-                                               "observation action"]).lower())
-
-
-def build_prompt(task: str, history: list[tuple[str, str]], obs: str, admissible: list[str],
-                 step: int, history_length: int, reasoning: bool) -> str:
-    """The user message at one step: task, last `history_length` (obs, action) pairs, current
-    observation and admissible actions (the GiGPO/ProxMO ALFWorld template, in our own words)."""
-    lines = [PROMPT_INTRO.format(task=task)]
-    recent = history[-history_length:] if history_length > 0 else []
-    if recent:
-        lines.append(PROMPT_HISTORY.format(steps=len(history), k=len(recent)))
-        first = len(history) - len(recent) + 1
-        for k, (past_obs, past_action) in enumerate(recent):
-            lines.append(f"[observation {first + k}] {past_obs} "
-                         f"[action {first + k}] {past_action}")
-    lines.append(PROMPT_NOW.format(step=step, obs=obs, actions=", ".join(admissible)))
-    lines.append(ASK_REASONING if reasoning else ASK_ACTION)
-    return "\n".join(lines)
-
-
-_warned_history_cut = False
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """The token ids of `text` as the user turn of a chat, followed by the assistant's header."""
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                         add_generation_prompt=True, tokenize=False)
-    return tokenizer(chat, add_special_tokens=False).input_ids
-
-
-def encode_prompt(args: Args, tokenizer, task: str, history: list[tuple[str, str]], obs: str,
-                  admissible: list[str], step: int) -> list[int]:
-    """Prompt ids of one step, at most --max-prompt-tokens long. A prompt that is too long drops
-    its oldest history pairs first (with a warning, once); the chat header, the task, the current
-    observation and the admissible actions are never cut. Without any history still too long: a
-    UsageError naming the sizes and the flags to change."""
-    global _warned_history_cut
-    shown = min(args.history_length, len(history))
-    for k in range(shown, -1, -1):
-        text = build_prompt(task, history, obs, admissible, step, k, args.reasoning)
-        ids = chat_ids(tokenizer, text)
-        if len(ids) <= args.max_prompt_tokens:
-            if k < shown and not _warned_history_cut:
-                _warned_history_cut = True
-                print(f"warning: a prompt with {shown} history pair(s) exceeded "
-                      f"--max-prompt-tokens {args.max_prompt_tokens}; it keeps only the last {k} "
-                      "(raise --max-prompt-tokens or lower --history-length)", file=sys.stderr)
-            return ids
-    raise UsageError(f"a prompt of {len(ids)} tokens without any history (task, observation and "
-                     f"{len(admissible)} admissible actions) exceeds --max-prompt-tokens "
-                     f"{args.max_prompt_tokens}; raise --max-prompt-tokens")
-
-
-ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
-
-
-def parse_action(response: str) -> str | None:
-    """The lowercased text of the last <action>...</action>, or None when there is none."""
-    found = ACTION_RE.findall(response)
-    if not found:
-        return None
-    action = " ".join(found[-1].strip().strip('"').lower().split())
-    return action or None
-
-
-THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
-CHINESE_RE = re.compile(r"[\u4e00-\u9fff]")
-
-
-def is_well_formed(response: str, reasoning: bool) -> bool:
-    """The spec's (and verl-agent's) validity flag of a reply: an <action>...</action>, with
-    `reasoning` also a <think>...</think>, and no Chinese characters. Whether the action is
-    admissible is the environment's business (grounding), not this flag's."""
-    if parse_action(response) is None or CHINESE_RE.search(response):
-        return False
-    return not reasoning or THINK_RE.search(response) is not None
-
-
-# ---- 3. ProxMO advantages (pure functions, float64, no grad) ------------------------------------
+# ---- 1. ProxMO advantages (pure functions, float64, no grad) ------------------------------------
 TOKEN_RE = re.compile(r"(?u)\b\w\w+\b")
 
 
@@ -573,7 +192,7 @@ def proxmo_batch_advantages(outcomes: list[float], step_rewards: list[Tensor],
     return out
 
 
-# ---- 4. Baselines ProxMO reduces to: GRPO and GiGPO ---------------------------------------------
+# ---- 2. Baselines ProxMO reduces to: GRPO and GiGPO ---------------------------------------------
 def grpo_advantages(outcomes: Tensor, eps: float = 1e-6, use_std: bool = True) -> Tensor:
     """(N,) -> (N,) GRPO episode advantage (Eq. 5); the same value is used for every step."""
     return group_zscore(outcomes, eps, use_std)
@@ -640,7 +259,7 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
     return [a - args.invalid_action_penalty * m for a, m in zip(advantages, malformed)]
 
 
-# ---- 5. Policy loss (Eq. 13) --------------------------------------------------------------------
+# ---- 3. Policy loss (Eq. 13) --------------------------------------------------------------------
 def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
     exponential, like k3_kl)."""
@@ -679,58 +298,159 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
-# ---- 6. Rollouts --------------------------------------------------------------------------------
-class Policy:
-    """What a rollout needs to act: the model, its tokenizer and the chosen generation backend."""
+# ---- 4. Arguments -------------------------------------------------------------------------------
+@dataclass
+class Args:
+    """ProxMO (and the GRPO / GiGPO baselines) for multi-turn LLM agents.
 
-    def __init__(self, args: Args, model, tokenizer, engine=None):
-        self.args, self.model, self.tokenizer, self.engine = args, model, tokenizer, engine
-        self.eos_ids = eos_token_ids(model, tokenizer)
-        self.adapter_path, self.adapter_version = "", 0
-        self.batcher = None
-        if args.backend == "hf-cb":  # its engines (one per sampling setting) live for the run
-            self.batcher = ContinuousBatching(
-                model, pad_id=tokenizer.pad_token_id, eos_ids=self.eos_ids,
-                max_new_tokens=args.max_new_tokens,
-                max_sequence_tokens=args.max_prompt_tokens + args.max_new_tokens,
-                max_requests=max(args.micro_batch_size, 64))
+    Defaults are the tiny model's; PRESETS below holds the tiny-scratch and real ones, and
+    --help shows those of the --model given (docs/running.md)."""
 
-    def sync(self, run_path: str) -> None:
-        """vLLM reads the adapter from disk: write the current one under a new version id (one
-        process writes it, every process has the same weights)."""
-        if self.engine is not None:
-            self.adapter_version += 1
-            self.adapter_path = os.path.join(run_path, "vllm_adapter")
-            if PartialState().is_main_process:
-                self.model.save_pretrained(self.adapter_path)
-            PartialState().wait_for_everyone()
+    exp_name: str = "proxmo"
+    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
+    seed: int = 1
+    """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
+    env: Literal["household", "alfworld"] = "household"
+    """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
+    env_workers: int = 0
+    """processes that step a batch's games at once (0: this process)"""
+    model: str = "tiny"
+    """local directory, hub id, bare Qwen name, tiny (shipped start) or tiny-scratch (BC first)"""
+    backend: Literal["hf", "hf-cb", "vllm"] = "hf"
+    """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
+    device: str = "cpu"
+    """torch device (cuda when available, else cpu)"""
+    track: bool = False
+    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
+    wandb_project: str = "llm-agent-credit-assignment"
+    """Weights & Biases project of --track"""
+    run_dir: str = "runs"
+    """where run directories are created"""
+    resume: str | None = None
+    """a run directory to continue from its checkpoint; only --iterations, --device may differ"""
 
-    def generate(self, prompts: list[list[int]], temperature: float,
-                 top_p: float = 1.0) -> tuple[list[list[int]], list | None]:
-        """(responses, log-probs of their tokens or None). Sampling with hf or hf-cb and
-        without top-p (every training rollout) records the log-probs the tokens were drawn with:
-        PPO's old log-probs without another forward pass. vLLM's (bf16, other kernels) would
-        differ from the trainer's: None, and the update scores the responses itself, as veRL
-        does."""
-        a = self.args
-        if self.engine is not None:
-            responses = vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
-                                      adapter_version=self.adapter_version, eos_ids=self.eos_ids,
-                                      max_new_tokens=a.max_new_tokens, temperature=temperature,
-                                      top_p=top_p)
-            return responses, None
-        record = temperature > 0 and top_p == 1
-        if self.batcher is not None:
-            out = self.batcher.generate(prompts, temperature=temperature, top_p=top_p,
-                                        return_logprobs=record)
-            return out if record else (out, None)
-        out = hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
-                          eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
-                          temperature=temperature, top_p=top_p,
-                          batch_size=max(a.micro_batch_size, 64), return_logprobs=record)
-        return out if record else (out, None)
+    # Advantage estimator: the method and the baselines it is compared against.
+    advantage: Literal["proxmo", "grpo", "gigpo"] = "proxmo"
+    """proxmo (Eqs. 5-12), grpo (episode z-score only) or gigpo (exact-match anchor states)"""
+    psc_alpha: float = 4.0
+    """alpha, steepness of the success-rate modulation (Eq. 6)"""
+    psc_beta: float = 0.1
+    """beta, strength of the success-rate modulation (Eq. 6); 0 gives GRPO's episode term"""
+    proximity_temperature: float = 0.1
+    """tau of the softmax over TF-IDF similarities (Eq. 10)"""
+    gamma: float = 0.95
+    """discount of step returns (Eq. 8)"""
+    step_weight: float = 1.0
+    """omega, weight of the step advantage (Eq. 12); 0 with --psc-beta 0 gives GRPO"""
+    use_std: bool = True
+    """divide episode (and GiGPO anchor) advantages by the group std; off: the mean only"""
+    tfidf_max_features: int = 1024
+    """vocabulary size of the TF-IDF over observation texts (Eq. 9)"""
+    invalid_action_penalty: float = 0.01
+    """subtracted from the final advantage of every malformed reply"""
+
+    # RL
+    iterations: int = 8
+    """training iterations; 0 = behavior cloning and the start evaluation only"""
+    tasks_per_iteration: int = 4
+    """training tasks per iteration, each played --group-size times"""
+    group_size: int = 8
+    """N trajectories per task (a group); 1 makes every episode advantage 0"""
+    max_episode_steps: int = 30
+    """step limit of a game"""
+    learning_rate: float = 5e-4
+    """AdamW learning rate of the LoRA weights"""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the RL update"""
+    clip_eps: float = 0.2
+    """PPO clip range epsilon of the ratio (Eq. 13)"""
+    clip_ratio_c: float | None = None
+    """dual-clip bound c > 1: for A < 0 the loss is at most -c * A (off by default)"""
+    kl_coef: float = 0.01
+    """weight of the k3 KL penalty to the reference policy; 0 skips the reference pass"""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus"""
+    ppo_epochs: int = 1
+    """passes over an iteration's step samples"""
+    minibatch_size: int = 256
+    """step samples per optimizer step"""
+    micro_batch_size: int = 16
+    """step samples per forward pass"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, slower"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip of every optimizer step"""
+    rollout_temperature: float = 1.0
+    """sampling temperature of training rollouts (PPO scores under the same)"""
+    eval_top_p: float = 1.0
+    """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
+    max_new_tokens: int = 12
+    """response length limit"""
+    max_prompt_tokens: int = 2048
+    """prompt length limit; longer prompts drop their oldest history pairs first"""
+    history_length: int = 1
+    """past (observation, action) pairs shown in the prompt"""
+    reasoning: bool = False
+    """ask for <think> reasoning before the action"""
+
+    # LoRA
+    lora_r: int = 16
+    """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
+    lora_alpha: int = 32
+    """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names, or all-linear"""
+
+    # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
+    bc_epochs: int = 0
+    """epochs of behavior cloning on expert demonstrations before RL; 0 skips it"""
+    bc_full_params: bool = True
+    """train every weight during BC instead of a LoRA adapter"""
+    bc_num_tasks: int = 400
+    """training tasks the expert plays for BC demonstrations"""
+    bc_noise: float = 0.2
+    """share of demonstration steps that execute a mistake (the label stays the expert's)"""
+    bc_prompt_loss_weight: float = 1.0
+    """weight of the prompt tokens' next-token loss in BC (see bc_loss)"""
+    bc_learning_rate: float = 2e-3
+    """AdamW learning rate of behavior cloning"""
+    bc_batch_size: int = 8
+    """demonstration steps per BC update"""
+
+    # Evaluation
+    eval_splits: tuple[str, ...] = ("test",)
+    """splits to evaluate on, the first is the headline"""
+    eval_every: int = 8
+    """iterations between evaluations, besides iteration 0 and the last"""
+    eval_num_tasks: int = 200
+    """first tasks of each split to evaluate; 0 = the whole split"""
+    eval_temperature: float = 0.4
+    """sampling temperature of evaluation (the papers' 0.4; 0 is greedy)"""
+    save_every: int = 10
+    """iterations between checkpoints (the last iteration is always saved)"""
+
+    # vLLM
+    vllm_gpu_memory_utilization: float = 0.35
+    """share of GPU memory vLLM may take (the rest holds the trainer)"""
 
 
+PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
+    "tiny-scratch": dict(bc_epochs=3),
+    "real": dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50, learning_rate=1e-5,
+                 micro_batch_size=8, gradient_checkpointing=True, max_new_tokens=512,
+                 history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,
+                 bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16, eval_every=5,
+                 eval_num_tasks=0),
+}
+RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
+    "psc_alpha": ">= 0", "psc_beta": ">= 0", "proximity_temperature": "> 0", "gamma": "in (0, 1]",
+    "step_weight": ">= 0", "tfidf_max_features": ">= 1", "invalid_action_penalty": ">= 0",
+}
+
+
+# ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
             temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
             seconds: dict | None = None) -> list[dict]:
@@ -814,7 +534,7 @@ def _perturb(game, history: list, label: str, noise: float, rng: random.Random) 
     return rng.choice(game.admissible_actions())
 
 
-# ---- 7. Behavior cloning on expert trajectories -------------------------------------------------
+# ---- 6. Behavior cloning on expert trajectories -------------------------------------------------
 def expert_response(action: str, reasoning: bool) -> str:
     return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
             else f"<action>{action}</action>")
@@ -902,7 +622,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
-# ---- 8. Evaluation ------------------------------------------------------------------------------
+# ---- 7. Evaluation ------------------------------------------------------------------------------
 def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
     actions over all steps, and its mean over trajectories (SPA's definition). With several
@@ -929,55 +649,13 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     return stats
 
 
-# ---- 9. Training loop ---------------------------------------------------------------------------
-# Data parallel (`accelerate launch --num_processes K <script>.py ...`): every process holds the
-# same policy, plays a contiguous share of each iteration's task groups (a group never straddles
-# two processes) and of the evaluation tasks, and sums its gradients with the others' before
-# every optimizer step. `python <script>.py` is one process, and none of this communicates.
-def process_share(n: int, index: int, count: int) -> range:
-    """The contiguous block of range(n) that process `index` of `count` takes (sizes differ by at
-    most one; in process order the blocks are range(n))."""
-    return range(n * index // count, n * (index + 1) // count)
-
-
+# ---- 8. Training loop ---------------------------------------------------------------------------
+# Data parallel (common/dist.py): each process plays whole groups and sums its gradients with
+# the others'; `python <script>.py` is one process, and nothing communicates.
 def summarize(traj: dict) -> dict:
     """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
     steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
     return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
-
-
-def sum_across_processes(params: list[Tensor], loss: float) -> float:
-    """Replace each parameter's gradient by its sum over processes (one all-reduce), and return
-    the summed loss. Each process's loss is already divided by the mini-batch's token count over
-    all processes, so the sums are the token-mean of the whole mini-batch."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    loss_row = torch.tensor([loss], device=grads[0].device)
-    flat = reduce(torch.cat([g.float().flatten() for g in grads] + [loss_row]), "sum")
-    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
-        p.grad = g.view_as(p).to(p.dtype)
-    return flat[-1].item()
-
-
-def check_finite(where: str, **values: float) -> None:
-    """Stop the run, before the optimizer step, when a loss or gradient norm is NaN or inf."""
-    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
-    if bad:
-        found = ", ".join(f"{k} {v}" for k, v in bad.items())
-        raise FloatingPointError(f"{where}: non-finite {found}; stopped before the optimizer "
-                                 "step, the weights are unchanged")
-
-
-def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
-    """Split `indices` into chunks of `size` after sorting them by length, so that padding to the
-    longest member of a chunk wastes little compute."""
-    ordered = sorted(indices, key=lambda i: lengths[i])
-    return [ordered[k:k + size] for k in range(0, len(ordered), size)]
-
-
-def pad_rows(rows: list[Tensor], length: int) -> Tensor:
-    """Stack 1-D tensors right-padded with 0 to `length` -> (len(rows), length). The padded
-    values never count: every loss and metric masks them before use."""
-    return torch.stack([torch.nn.functional.pad(r, (0, length - len(r))) for r in rows])
 
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
@@ -990,12 +668,9 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
     the mini-batches are drawn from the whole batch exactly as one process would draw them, each
     process computes the gradient of its members, and the sum over processes is the update."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
-    dist = PartialState()
     # Every process's response lengths, in process order: a mini-batch's token count over the
     # whole batch, and where this process's samples start in it.
-    lengths_by_process = gather_object([[len(s[1]) for s in samples]])
-    all_lengths = [n for lengths in lengths_by_process for n in lengths]
-    first = sum(len(lengths) for lengths in lengths_by_process[:dist.process_index])
+    all_lengths, first = batch_offsets([len(s[1]) for s in samples])
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
     lengths = [len(p) + len(r) for p, r, _, _ in samples]
@@ -1057,8 +732,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
                     if args.kl_coef > 0:  # else `ref` is the rollout policy, not the reference
                         kl = (k3_kl(ref, logp, mask) * mask).sum() / mask.sum()
                         stats["kl_ref"].append(kl.item())
-            if dist.num_processes > 1:
-                minibatch_loss = sum_across_processes(params, minibatch_loss)
+            minibatch_loss = sum_across_processes(params, minibatch_loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
             check_finite(f"iteration {iteration}, PPO epoch {epoch + 1}, mini-batch at {start}",
                          loss=minibatch_loss, grad_norm=grad_norm)
@@ -1066,61 +740,32 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
             stats["grad_norm"].append(grad_norm)
             optimizer.step()
     seconds["update"] = time.perf_counter() - began
-    means = {k: float(np.mean(v)) for k, v in stats.items()}
-    if dist.num_processes > 1:  # the mean over every process's micro-batches (or mini-batches)
-        names = ["clip_fraction", "grad_norm", "loss"] + (["kl_ref"] if args.kl_coef > 0 else [])
-        sums = torch.tensor([[sum(stats[k]), len(stats[k])] for k in names], dtype=torch.float64,
-                            device=dist.device)
-        sums = reduce(sums, "sum")
-        means = {k: (sums[i, 0] / sums[i, 1]).item() for i, k in enumerate(names)}
+    means = mean_across_processes(stats)  # every process's micro-batches
     out = {f"train/{k}": v for k, v in means.items()}
     out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
     return out
 
 
-def save_checkpoint(path: str, model, base_model: str, args: Args, iteration: int,
-                    trainer_state: dict) -> None:
-    """The LoRA adapter (its config naming the base model), a model card saying how to load it,
-    and trainer_state.pt (optimizer, iteration, every random stream) for --resume."""
-    model.peft_config["default"].base_model_name_or_path = base_model
-    model.save_pretrained(path)
-    with open(os.path.join(path, "README.md"), "w") as f:  # replaces PEFT's empty model card
-        f.write(f"""---
-base_model: {base_model}
-library_name: peft
----
-# LoRA adapter trained by proxmo.py
+def validate_args(args: Args) -> list[str]:
+    """One line per nonsensical value; [] when all are usable (common/config.py)."""
+    return config.errors(args, RANGES)
 
---advantage {args.advantage}, --env {args.env}, iteration {iteration} of {args.iterations},
-seed {args.seed}. The run's configuration is in ../config.json. To load the policy:
 
-```python
-from common.model import load_lora, load_model_and_tokenizer  # this repository's common/
-model, tokenizer = load_model_and_tokenizer("{base_model}")
-policy = load_lora(model, "{os.path.abspath(path)}")
-```
-""")
-    torch.save(trainer_state, os.path.join(path, "trainer_state.pt"))
+def preset_args(model: str = "tiny", env: str = "household", advantage: str | None = None) -> Args:
+    """The defaults for --model, --env and --advantage: PRESETS on the dataclass's."""
+    return config.preset_args(Args, PRESETS, model, env, advantage)
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Command line -> Args (common/config.py: presets, and --resume's saved configuration)."""
+    return config.parse_args(Args, PRESETS, argv)
 
 
 def main(args: Args) -> dict:
     errors = validate_args(args)
     # One process, or one of those `accelerate launch` started (gloo between CPU processes).
     dist = PartialState(cpu=args.device == "cpu")
-    if dist.num_processes > 1:
-        if args.tasks_per_iteration % dist.num_processes:
-            errors.append(f"--tasks-per-iteration {args.tasks_per_iteration} must be a multiple "
-                          f"of the {dist.num_processes} processes (whole groups per process)")
-        if args.bc_epochs > 0 and not args.resume:
-            errors.append("behavior cloning runs in one process: run `python proxmo.py ... "
-                          "--iterations 0` once, then launch RL with --model <its run>/base_model")
-        if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
-            errors.append("--backend vllm runs in one process; with several, use --backend hf")
-        per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", dist.num_processes))
-        if args.device.startswith("cuda") and per_machine > torch.cuda.device_count():
-            errors.append(f"{per_machine} processes on a machine with "
-                          f"{torch.cuda.device_count()} GPUs: one GPU per process (or --device "
-                          "cpu)")
+    errors += launch_errors(args, dist, os.path.basename(__file__))
     if errors:
         raise UsageError("\n".join(errors))
     if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
@@ -1128,30 +773,8 @@ def main(args: Args) -> dict:
     if args.group_size == 1:
         print("warning: --group-size 1: every episode advantage is 0 (a group of one has no "
               "baseline); only step advantages remain", file=sys.stderr)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-
-    run_name = f"{args.exp_name}__{args.env}__{args.advantage}__{args.seed}__{int(time.time())}"
-    run_name = broadcast_object_list([run_name])[0]  # the main process's clock names the run
-    run_path = args.resume or os.path.join(args.run_dir, run_name)
-    checkpoint = os.path.join(run_path, "checkpoint")
-    state = None  # what --resume continues, checked before anything is written
-    if args.resume:
-        if not os.path.isfile(os.path.join(checkpoint, "trainer_state.pt")):
-            raise UsageError(f"--resume {args.resume}: no checkpoint/trainer_state.pt in it")
-        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
-        if "streams" not in state:  # saved by one process before data parallel existed
-            state["streams"] = [{"python": state["python_rng"], "numpy": state["numpy_rng"],
-                                 "torch": state["torch_rng"], "cuda": state["cuda_rng"]}]
-        if state["iteration"] >= args.iterations:
-            raise UsageError(f"--resume {args.resume}: the run already did {state['iteration']} "
-                             "iterations; pass a larger --iterations to continue it")
-        if len(state["streams"]) != dist.num_processes:
-            raise UsageError(f"--resume {args.resume}: saved by {len(state['streams'])} "
-                             f"processes, resumed by {dist.num_processes}; their random streams "
-                             "continue only with as many processes")
+    seed_everything(args.seed)
+    run = Run(args, os.path.basename(__file__))  # --resume: its checkpoint, checked
     train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
     if args.tasks_per_iteration > len(train_tasks):
         raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
@@ -1163,7 +786,7 @@ def main(args: Args) -> dict:
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
     # then the LoRA adapter trained by RL.
-    base_path = os.path.join(run_path, "base_model")
+    base_path = os.path.join(run.path, "base_model")
     resumed_base = args.resume and os.path.isdir(base_path)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     # Several processes on GPUs: each its own (cuda:<local rank>), as accelerate assigned it.
@@ -1171,37 +794,7 @@ def main(args: Args) -> dict:
     model, tokenizer = load_model_and_tokenizer(base_path if resumed_base else args.model,
                                                 vocabulary=vocab, seed=args.seed, dtype=dtype,
                                                 device=device)
-    # Only now the run directory: a run stopped by bad flags or missing data leaves nothing. The
-    # main process alone writes the run directory's config, logs, checkpoints and summary.
-    writer = None
-    if dist.is_main_process:
-        os.makedirs(run_path, exist_ok=True)
-        config_file = os.path.join(run_path, "config.json")
-        command = shlex.join([sys.executable, *sys.argv])
-        record = {"command": command, "args": asdict(args), "resumed_by": [],
-                  "num_processes": dist.num_processes}
-        if args.resume:  # keep the first command; a raised --iterations holds for later resumes
-            with open(config_file) as f:
-                record = {**json.load(f), "args": asdict(args)}
-            record["resumed_by"] = record.get("resumed_by", []) + [command]
-        with open(config_file, "w") as f:
-            json.dump(record, f, indent=1)
-
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project, name=os.path.basename(run_path),
-                       config=asdict(args), dir=run_path, sync_tensorboard=True)
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(run_path)
-        writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
-            f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
-
-    def log(stats: dict, step: int) -> None:
-        for k, v in stats.items():
-            if writer is not None:
-                writer.add_scalar(k, v, step)
+    run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
 
     targets = args.lora_target_modules
     if targets != "all-linear":
@@ -1218,7 +811,7 @@ def main(args: Args) -> dict:
         model.requires_grad_(False)
         print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
               f"(final loss {stats['bc/loss']:.3f})")
-        log(stats, 0)
+        run.log(stats, 0)
     if (args.bc_epochs > 0 or args.model == "tiny-scratch") and not args.resume:
         # The model RL starts from exists nowhere else: keep it beside the adapter.
         if dist.is_main_process:
@@ -1230,19 +823,13 @@ def main(args: Args) -> dict:
     else:
         base_model = resolve_model_name(args.model)[0]
     if args.resume:
-        model = load_lora(model, checkpoint)
+        model = load_lora(model, run.checkpoint)
     else:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
     model.print_trainable_parameters()
     if args.gradient_checkpointing:  # non-reentrant: works with the frozen embeddings of LoRA
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if dist.num_processes > 1:
-        for p in model.parameters():
-            if p.requires_grad:  # the same start everywhere, whatever each device's init did
-                broadcast(p.data, from_process=0)
-        # Each process samples its own draws; process 0 continues the one-process stream.
-        if dist.process_index > 0:
-            torch.manual_seed(args.seed + 100_003 * dist.process_index)
+    same_start(list(model.parameters()), args.seed)  # data parallel: process 0's weights
 
     engine = None
     if args.backend == "vllm":
@@ -1256,27 +843,22 @@ def main(args: Args) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     task_rng = random.Random(args.seed)
     start_iteration = 0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["generator"])
-        task_rng.setstate(state["task_rng"])
-        streams = state["streams"][dist.process_index]
-        random.setstate(streams["python"])
-        np.random.set_state(streams["numpy"])
-        torch.set_rng_state(streams["torch"])
-        if torch.cuda.is_available() and streams["cuda"]:
-            torch.cuda.set_rng_state_all(streams["cuda"])
-        start_iteration, history = state["iteration"], state["history"]
-        print(f"resumed from {checkpoint} at iteration {start_iteration}")
+    if run.state is not None:
+        optimizer.load_state_dict(run.state["optimizer"])
+        generator.set_state(run.state["generator"])
+        task_rng.setstate(run.state["task_rng"])
+        run.restore_random_streams()
+        start_iteration, history = run.state["iteration"], run.state["history"]
+        print(f"resumed from {run.checkpoint} at iteration {start_iteration}")
 
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
 
     def run_eval(iteration: int) -> None:
-        policy.sync(run_path)
+        policy.sync(run.path)
         for split, tasks in eval_tasks.items():
             t0 = time.time()
             stats = evaluate(args, policy, split, tasks)
-            log(stats, iteration)
+            run.log(stats, iteration)
             history.setdefault(iteration, {}).update(stats)
             per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}"
                                 for k, v in stats.items() if "/success_" in k)
@@ -1291,7 +873,7 @@ def main(args: Args) -> dict:
         t0 = time.time()
         # (1) B tasks x N copies, (2) lock-step rollouts, (3) 0/1 outcomes.
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
-        policy.sync(run_path)
+        policy.sync(run.path)
         my_groups = process_share(len(batch_tasks), dist.process_index, dist.num_processes)
         tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
         groups = [g for g in my_groups for _ in range(args.group_size)]
@@ -1326,7 +908,7 @@ def main(args: Args) -> dict:
         # Where the iteration's time went: prompts, generation, env, advantages (the policy
         # update added old_logprobs, ref_logprobs and update); the main process's times.
         stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
-        log(stats, iteration)
+        run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
                         kl=stats.get("train/kl_ref", float("nan")),
                         rollout_s=round(rollout_seconds),
@@ -1335,37 +917,11 @@ def main(args: Args) -> dict:
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)
         if iteration % args.save_every == 0 or iteration == args.iterations:
-            # Each process's own random streams, so that a resume continues every one of them.
-            streams = gather_object([{
-                "python": random.getstate(), "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}])
-            if dist.is_main_process:
-                save_checkpoint(checkpoint, model, base_model, args, iteration, {
-                    "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                    "task_rng": task_rng.getstate(), "streams": streams,
-                    "iteration": iteration, "history": history})
-            dist.wait_for_everyone()
+            run.save(model, base_model, iteration, {
+                "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+                "task_rng": task_rng.getstate(), "iteration": iteration, "history": history})
     progress.close()
-    if writer is not None:
-        writer.close()
-    if args.track and dist.is_main_process:
-        wandb.finish()
-    headline = args.eval_splits[0]
-    key = f"eval_{headline}/success"
-    summary = {"start_success": history.get(0, {}).get(key),
-               "final_success": history[max(history)][key],
-               "best_success": max(h[key] for h in history.values() if key in h),
-               "run_path": run_path}
-    if dist.is_main_process:
-        with open(os.path.join(run_path, "summary.json"), "w") as f:  # what benchmarks/ read
-            json.dump({**summary, "evaluations": {str(k): v for k, v in sorted(history.items())}},
-                      f, indent=1)
-    start = summary["start_success"]
-    start = "n/a (resumed)" if start is None else f"{start:.3f}"
-    print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} (final), "
-          f"best {summary['best_success']:.3f}; logs and checkpoint in {run_path} "
-          f"(tensorboard --logdir {args.run_dir})")
+    summary = run.finish(history)
     if policy.batcher is not None:  # free its KV caches, restore the model's attention
         policy.batcher.close()
     if dist.num_processes > 1:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 
 import torch
+from accelerate import PartialState
 
 from common import UsageError
-from common.model import pad_prompt_response
+from common.model import eos_token_ids, pad_prompt_response
 
 
 def sampling_config(*, temperature: float, top_p: float, max_new_tokens: int, eos_ids: list[int],
@@ -388,3 +390,55 @@ def vllm_generate(engine, prompts: list[list[int]], *, adapter_path: str, adapte
     outs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                            lora_request=request, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+class Policy:
+    """What a rollout needs to act: the model, its tokenizer and the chosen generation backend
+    (args: a script's Args; backend, max_new_tokens, max_prompt_tokens, micro_batch_size)."""
+
+    def __init__(self, args, model, tokenizer, engine=None):
+        self.args, self.model, self.tokenizer, self.engine = args, model, tokenizer, engine
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.adapter_path, self.adapter_version = "", 0
+        self.batcher = None
+        if args.backend == "hf-cb":  # its engines (one per sampling setting) live for the run
+            self.batcher = ContinuousBatching(
+                model, pad_id=tokenizer.pad_token_id, eos_ids=self.eos_ids,
+                max_new_tokens=args.max_new_tokens,
+                max_sequence_tokens=args.max_prompt_tokens + args.max_new_tokens,
+                max_requests=max(args.micro_batch_size, 64))
+
+    def sync(self, run_path: str) -> None:
+        """vLLM reads the adapter from disk: write the current one under a new version id (one
+        process writes it, every process has the same weights)."""
+        if self.engine is not None:
+            self.adapter_version += 1
+            self.adapter_path = os.path.join(run_path, "vllm_adapter")
+            if PartialState().is_main_process:
+                self.model.save_pretrained(self.adapter_path)
+            PartialState().wait_for_everyone()
+
+    def generate(self, prompts: list[list[int]], temperature: float,
+                 top_p: float = 1.0) -> tuple[list[list[int]], list | None]:
+        """(responses, log-probs of their tokens or None). Sampling with hf or hf-cb and
+        without top-p (every training rollout) records the log-probs the tokens were drawn with:
+        PPO's old log-probs without another forward pass. vLLM's (bf16, other kernels) would
+        differ from the trainer's: None, and the update scores the responses itself, as veRL
+        does."""
+        a = self.args
+        if self.engine is not None:
+            responses = vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
+                                      adapter_version=self.adapter_version, eos_ids=self.eos_ids,
+                                      max_new_tokens=a.max_new_tokens, temperature=temperature,
+                                      top_p=top_p)
+            return responses, None
+        record = temperature > 0 and top_p == 1
+        if self.batcher is not None:
+            out = self.batcher.generate(prompts, temperature=temperature, top_p=top_p,
+                                        return_logprobs=record)
+            return out if record else (out, None)
+        out = hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
+                          eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
+                          temperature=temperature, top_p=top_p,
+                          batch_size=max(a.micro_batch_size, 64), return_logprobs=record)
+        return out if record else (out, None)

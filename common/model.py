@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 from urllib.request import getproxies
 
 import torch
+from torch import Tensor
 
 from common import UsageError
 
@@ -256,3 +257,17 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
         logp, mask = logp[index], mask[index]
         entropy = entropy[index] if entropy is not None else None
     return logp, mask.float(), entropy
+
+
+def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
+    """Split `indices` into chunks of `size` after sorting them by length, so that padding to the
+    longest member of a chunk wastes little compute."""
+    ordered = sorted(indices, key=lambda i: lengths[i])
+    return [ordered[k:k + size] for k in range(0, len(ordered), size)]
+
+
+def pad_rows(rows: list[Tensor], length: int) -> Tensor:
+    """Stack 1-D tensors right-padded with 0 to `length` -> (len(rows), length). The padded
+    values never count: every loss and metric masks them before use."""
+    return torch.stack([torch.nn.functional.pad(r, (0, length - len(r))) for r in rows])
+

@@ -26,7 +26,7 @@ from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
 import istar  # noqa: E402
 import proxmo  # noqa: E402
 import spa  # noqa: E402
-from proxmo import build_prompt, chat_ids  # noqa: E402
+from envs.text import build_prompt, chat_ids  # noqa: E402
 
 ACTIONS = ["look", "go to cabinet 1", "open drawer 2", "take apple 1 from countertop 1",
            "heat apple 1 with microwave 1", "move apple 1 to diningtable 1", "inventory"]

@@ -17,7 +17,7 @@ from common.generation import hf_generate
 from common.model import (add_lora, eos_token_ids, load_lora,
                           load_model_and_tokenizer, merge_lora, pad_prompt_response,
                           resolve_model_name, response_logprobs)
-from proxmo import PROMPT_WORDS, is_well_formed, parse_action
+from envs.text import PROMPT_WORDS, is_well_formed, parse_action
 
 VOCAB = envs.vocabulary("household") + PROMPT_WORDS
 
@@ -426,3 +426,14 @@ def test_parse_action(reply, action):
 ])
 def test_is_well_formed(reply, reasoning, well_formed):
     assert is_well_formed(reply, reasoning) is well_formed
+
+
+def test_ranges_read_as_in_mathematics():
+    from common.config import in_range
+
+    assert in_range(0, "in [0, 1)") and not in_range(1, "in [0, 1)")
+    assert not in_range(0, "in (0, 1]") and in_range(1, "in (0, 1]")
+    assert in_range(2**32 - 1, "in [0, 2**32)") and not in_range(2**32, "in [0, 2**32)")
+    assert in_range(0, ">= 0 (0 = the whole split)") and not in_range(-1, ">= 0 (0 = greedy)")
+    assert not in_range(0, "> 0: a hint") and in_range(1e-9, "> 0")
+    assert in_range(0.5, "in [0, 0.5]") and not in_range(0.51, "in [0, 0.5]")

@@ -247,7 +247,7 @@ def test_saved_reward_models_load_back_to_the_same_scores(tiny, tmp_path, full_p
 
 
 def test_the_harness_and_the_update_are_the_other_scripts_text():
-    """diff proxmo.py hisr.py shows only the method: prompts, rollouts, BC and evaluation are
+    """diff proxmo.py hisr.py shows only the method: rollouts, BC and evaluation are
     proxmo.py's text; the PPO update with its critic is spa.py's (whose data-parallel test
     covers it)."""
     import inspect
@@ -265,12 +265,11 @@ def test_the_harness_and_the_update_are_the_other_scripts_text():
         return {p.split("\n", 1)[0]: p for p in parts if p.startswith("# ---- ")}
 
     mine, theirs = sections("hisr.py"), sections("proxmo.py")
-    for title in ("2. Prompts", "6. Rollouts", "7. Behavior cloning", "8. Evaluation"):
+    for title in ("5. Rollouts", "6. Behavior cloning", "7. Evaluation"):
         (a,) = [v for k, v in mine.items() if title in k]
         (b,) = [v for k, v in theirs.items() if title in k]
         assert a == b, title
-    for name in ("policy_update", "score_rollouts", "policy_forward", "value_loss",
-                 "save_checkpoint"):
+    for name in ("policy_update", "score_rollouts", "policy_forward", "value_loss"):
         a, b = inspect.getsource(getattr(hisr, name)), inspect.getsource(getattr(spa, name))
         assert a == b.replace("spa.py", "hisr.py"), name
 

@@ -4,7 +4,7 @@ by --advantage, never by --step-weight; a flag on the command line always wins."
 
 import pytest
 
-from istar import BASELINE_PRESETS, REAL_MODEL_PRESETS, parse_args, preset_args
+from istar import PRESETS, parse_args, preset_args
 
 REAL = "Qwen2.5-1.5B-Instruct"
 
@@ -45,9 +45,9 @@ def test_the_presets_keep_the_release_relation():
     for model, size in (("tiny", "tiny"), ("tiny-scratch", "tiny"), (REAL, "real")):
         istar, rloo = preset_args(model), preset_args(model, advantage="rloo")
         assert rloo.learning_rate == 2 * istar.learning_rate == istar.prm_learning_rate
-        assert rloo.learning_rate == BASELINE_PRESETS[size]["learning_rate"]
+        assert rloo.learning_rate == PRESETS[f"{size} baseline"]["learning_rate"]
         assert rloo.advantage == "rloo" and istar.advantage == "istar"
-    assert REAL_MODEL_PRESETS["prm_learning_rate"] == 2 * REAL_MODEL_PRESETS["learning_rate"]
+    assert PRESETS["real"]["prm_learning_rate"] == 2 * PRESETS["real"]["learning_rate"]
     # nothing else differs between iStar's defaults and a baseline's
     istar, grpo = preset_args(), preset_args(advantage="grpo")
     differ = {k for k in vars(istar) if getattr(istar, k) != getattr(grpo, k)}

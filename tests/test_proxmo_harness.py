@@ -10,8 +10,8 @@ import torch
 import envs
 from common import UsageError
 from common.model import add_lora, load_model_and_tokenizer
-from proxmo import (PROMPT_WORDS, Args, Policy, build_prompt, chat_ids, encode_prompt, parse_args,
-                    policy_update, validate_args)
+from envs.text import PROMPT_WORDS, build_prompt, chat_ids, encode_prompt
+from proxmo import Args, Policy, parse_args, policy_update, validate_args
 
 TASK = "put a mug in desk."
 OBS = "You arrive at desk 1. On the desk 1, you see a mug 1, and a pen 2."
@@ -227,3 +227,29 @@ def test_resume_with_a_contradicting_flag_is_an_error(tmp_path):
     with pytest.raises(UsageError, match="no config.json"):
         parse_args(["--resume", str(tmp_path)])
     assert os.path.isdir(run)
+
+
+@pytest.mark.parametrize("script", ["spa.py", "istar.py", "hisr.py", "sspo.py"])
+def test_every_script_carries_proxmos_harness_text(script):
+    """diff proxmo.py <script> shows only what a method changes: its rollouts, behavior cloning
+    and evaluation sections are proxmo.py's text, and the plumbing is imported from common/ and
+    envs/, not written again."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def read(name):
+        with open(os.path.join(root, name)) as f:
+            return f.read()
+
+    def sections(text):
+        parts = re.split(r"(?m)^(?=# ---- \d+\. )", text)
+        return {p.split("\n", 1)[0][7:].split(" ---")[0]: p for p in parts
+                if p.startswith("# ---- ")}
+
+    mine, theirs = sections(read(script)), sections(read("proxmo.py"))
+    for title in ("5. Rollouts", "6. Behavior cloning on expert trajectories", "7. Evaluation"):
+        assert mine[title] == theirs[title], title
+    for plumbing in ("def process_share", "def save_checkpoint", "def sum_across_processes",
+                     "def build_prompt", "class Policy", "SummaryWriter("):
+        assert plumbing not in read(script), plumbing

@@ -159,7 +159,8 @@ def test_ablation_terms():
 
 def test_invalid_penalty_applies_once():
     """Edge case 10: the penalty moves the reward by exactly invalid_penalty."""
-    for args in [(0.3, 0.9, 2, True, False), (1.0, 1.0, 0, False, True), (0.0, 1.0, 9, True, True)]:
+    for args in [(0.3, 0.9, 2, True, False), (1.0, 1.0, 0, False, True),
+                 (0.0, 1.0, 9, True, True)]:
         assert step_reward(*args) - step_reward(*args, valid=False) == pytest.approx(0.1)
         assert step_reward(*args) - step_reward(*args, valid=False, invalid_penalty=0.3) == (
             pytest.approx(0.3))

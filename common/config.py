@@ -1,0 +1,169 @@
+"""A script's configuration: its Args dataclass with the defaults of the --model, --env and
+--advantage given (one PRESETS table per script), parsed with tyro, or on --resume the run's
+saved configuration, which the command line may not contradict.
+
+A script's PRESETS: {"tiny-scratch": {...}, "real": {...}} on top of the dataclass's defaults
+(the tiny model's), and optionally {"tiny baseline": {...}, "real baseline": {...}} on top of
+those for an --advantage other than the dataclass's default (the method's own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import typing
+from dataclasses import asdict, fields, replace
+
+import envs
+from common import UsageError
+
+OVERRIDABLE = ("iterations", "device")  # what --resume may change
+
+
+def preset_args(Args, presets: dict, model: str = "tiny", env: str = "household",
+                advantage: str | None = None):
+    """The defaults for `model`, `env` and `advantage` (None: the method's own)."""
+    import torch
+
+    args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
+                device="cuda" if torch.cuda.is_available() else "cpu",
+                env_workers=envs.default_env_workers(env))
+    if model == "tiny-scratch":
+        args = replace(args, **presets["tiny-scratch"])
+    elif model != "tiny":
+        args = replace(args, **presets["real"])
+    size = "tiny" if model in ("tiny", "tiny-scratch") else "real"
+    if advantage is None or advantage == args.advantage:
+        return args
+    return replace(args, advantage=advantage, **presets.get(f"{size} baseline", {}))
+
+
+def choices(Args, name: str) -> tuple:
+    """The values a Literal field of Args accepts."""
+    return typing.get_args(typing.get_type_hints(Args)[name])
+
+
+def finite_errors(args) -> list[str]:
+    """One line per float field that is NaN or infinite."""
+    names = [f.name for f in fields(args) if isinstance(getattr(args, f.name), float)]
+    return [f"--{name.replace('_', '-')} must be finite" for name in names
+            if not math.isfinite(getattr(args, name))]
+
+
+def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None = None):
+    """Command line -> Args. Defaults are the presets of the --model, --env and --advantage given;
+    with --resume, the run's saved configuration, which flags on the command line may not
+    contradict (only --iterations and --device may change, with a printed note). old_defaults:
+    the values of settings a saved configuration lacks (it was written before they existed)."""
+    import tyro
+
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--model", default="tiny")
+    peek.add_argument("--env", default="household")
+    peek.add_argument("--advantage", default=None)
+    peek.add_argument("--resume", default=None)
+    known, _ = peek.parse_known_args(argv)
+    if known.resume is None:
+        env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
+        advantage = known.advantage if known.advantage in choices(Args, "advantage") else None
+        return tyro.cli(Args, args=argv, default=preset_args(Args, presets, known.model, env,
+                                                             advantage))
+    config_file = os.path.join(known.resume, "config.json")
+    if not os.path.isdir(known.resume):
+        raise UsageError(f"--resume {known.resume}: no such run directory")
+    if not os.path.isfile(config_file):
+        raise UsageError(f"--resume {known.resume}: no config.json in it (not a run directory of "
+                         "this script?)")
+    with open(config_file) as f:
+        saved = {**(old_defaults or {}), **json.load(f)["args"]}
+    unknown = sorted(set(saved) - {f.name for f in fields(Args)})
+    if unknown:
+        raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
+                         f"the script does not know: {', '.join(unknown)}")
+    defaults = asdict(preset_args(Args, presets, saved.get("model", "tiny"),
+                                  saved.get("env", "household"), saved.get("advantage")))
+    merged = {**defaults, **saved}
+    saved = Args(**{**merged, "eval_splits": tuple(merged["eval_splits"])})
+    args = tyro.cli(Args, args=argv, default=saved)
+    changed = [f.name for f in fields(Args) if f.name not in ("resume", *OVERRIDABLE)
+               and getattr(args, f.name) != getattr(saved, f.name)]
+    if changed:
+        contradictions = [f"--{n.replace('_', '-')} {getattr(args, n)} "
+                          f"(saved: {getattr(saved, n)})" for n in changed]
+        raise UsageError("--resume continues the saved configuration; these flags contradict it: "
+                         + ", ".join(contradictions))
+    for name in OVERRIDABLE:
+        given, before = getattr(args, name), getattr(saved, name)
+        if given != before:
+            print(f"note: --{name} {given} overrides the saved {before}")
+    return args
+
+
+# The harness's ranges, the same in every script; a script adds its method's. A range is ">= x",
+# "> x" or an interval "in [x, y)" (brackets as in mathematics), then optionally a hint; None
+# passes (an unset optional value).
+RANGES = {
+    "seed": "in [0, 2**32)", "iterations": ">= 0", "tasks_per_iteration": ">= 1",
+    "group_size": ">= 1", "max_episode_steps": ">= 1",
+    "env_workers": ">= 0 (0 = step the games in this process)", "learning_rate": "> 0",
+    "weight_decay": ">= 0", "clip_eps": "in (0, 1)", "clip_ratio_c": "> 1", "kl_coef": ">= 0",
+    "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "minibatch_size": ">= 1",
+    "micro_batch_size": ">= 1", "max_grad_norm": "> 0",
+    "rollout_temperature": "> 0: the N trajectories of a group must be sampled",
+    "eval_top_p": "in (0, 1]", "max_new_tokens": ">= 1", "max_prompt_tokens": ">= 1",
+    "history_length": ">= 0", "lora_r": ">= 1", "lora_alpha": "> 0", "lora_dropout": "in [0, 1)",
+    "bc_epochs": ">= 0", "bc_num_tasks": ">= 1", "bc_noise": "in [0, 1]",
+    "bc_prompt_loss_weight": ">= 0", "bc_learning_rate": "> 0", "bc_batch_size": ">= 1",
+    "eval_every": ">= 1", "eval_num_tasks": ">= 0 (0 = the whole split)",
+    "eval_temperature": ">= 0 (0 = greedy)", "save_every": ">= 1",
+    "vllm_gpu_memory_utilization": "in (0, 1]",
+}
+
+
+def _number(text: str) -> float:
+    base, _, power = text.partition("**")
+    return float(base) ** float(power) if power else float(text)
+
+
+def in_range(value: float, rule: str) -> bool:
+    """Whether `value` satisfies a range of RANGES' form."""
+    interval = re.match(r"in ([\[(])([^,]+), ([^\])]+)([\])])", rule)
+    if interval:
+        left, low, high, right = interval.groups()
+        low, high = _number(low), _number(high)
+        above = value >= low if left == "[" else value > low
+        below = value <= high if right == "]" else value < high
+        return above and below
+    op, bound = rule.split()[:2]
+    bound = _number(bound.rstrip(":"))
+    return value >= bound if op == ">=" else value > bound
+
+
+def errors(args, ranges: dict[str, str]) -> list[str]:
+    """One line per nonsensical value ([] when all are usable): a float that is not finite, a
+    field outside its range (the harness's RANGES, then the method's `ranges`), then what a
+    range cannot say about the harness's flags."""
+    import torch
+
+    found = finite_errors(args)
+    for name, rule in {**RANGES, **ranges}.items():
+        value = getattr(args, name)
+        if value is not None and math.isfinite(value) and not in_range(value, rule):
+            found.append(f"--{name.replace('_', '-')} must be {rule}")
+    a = args
+    rules = [
+        (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
+         f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
+        (a.model != "tiny" or a.env == "household",
+         f"--model tiny knows only the household's words; for --env {a.env} use --model "
+         "tiny-scratch (words from ALFWorld's grammar) or a real one, e.g. Qwen2.5-1.5B-Instruct"),
+        (len(a.eval_splits) >= 1, "--eval-splits needs at least one split"),
+        (all(s in envs.SPLITS[a.env] for s in a.eval_splits),
+         f"--eval-splits must be among {', '.join(envs.SPLITS[a.env])} for --env {a.env}"),
+        (a.backend != "vllm" or a.device.startswith("cuda"),
+         "--backend vllm needs a CUDA GPU; use --backend hf or hf-cb on CPU"),
+    ]
+    return found + [message for ok, message in rules if not ok]

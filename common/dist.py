@@ -1,0 +1,94 @@
+"""Data parallel (`accelerate launch --num_processes K <script>.py ...`): every process holds the
+same policy, plays a contiguous share of each iteration's task groups (a group never straddles two
+processes) and of the evaluation tasks, and sums its gradients with the others' before every
+optimizer step. `python <script>.py` is one process, and nothing here communicates then.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast, gather_object, reduce
+from torch import Tensor
+
+
+def launch_errors(args, dist: PartialState, script: str) -> list[str]:
+    """What a data-parallel launch cannot do, one line each ([] with one process)."""
+    if dist.num_processes == 1:
+        return []
+    errors = []
+    if args.tasks_per_iteration % dist.num_processes:
+        errors.append(f"--tasks-per-iteration {args.tasks_per_iteration} must be a multiple "
+                      f"of the {dist.num_processes} processes (whole groups per process)")
+    if args.bc_epochs > 0 and not args.resume:
+        errors.append(f"behavior cloning runs in one process: run `python {script} ... "
+                      "--iterations 0` once, then launch RL with --model <its run>/base_model")
+    if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
+        errors.append("--backend vllm runs in one process; with several, use --backend hf")
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", dist.num_processes))
+    if args.device.startswith("cuda") and per_machine > torch.cuda.device_count():
+        errors.append(f"{per_machine} processes on a machine with "
+                      f"{torch.cuda.device_count()} GPUs: one GPU per process (or --device cpu)")
+    return errors
+
+
+def process_share(n: int, index: int, count: int) -> range:
+    """The contiguous block of range(n) that process `index` of `count` takes (sizes differ by at
+    most one; in process order the blocks are range(n))."""
+    return range(n * index // count, n * (index + 1) // count)
+
+
+def same_start(params: list[Tensor], seed: int) -> None:
+    """Every process starts from process 0's trainable weights, whatever each device's init did;
+    each process then samples its own draws (process 0 continues the one-process stream)."""
+    dist = PartialState()
+    if dist.num_processes == 1:
+        return
+    for p in params:
+        if p.requires_grad:
+            broadcast(p.data, from_process=0)
+    if dist.process_index > 0:
+        torch.manual_seed(seed + 100_003 * dist.process_index)
+
+
+def batch_offsets(counts: list[int]) -> tuple[list[int], int]:
+    """Every process's `counts` items, in process order: (all of them, where this process's
+    start in that list)."""
+    dist = PartialState()
+    by_process = gather_object([counts])
+    first = sum(len(c) for c in by_process[:dist.process_index])
+    return [n for c in by_process for n in c], first
+
+
+def sum_across_processes(params: list[Tensor], loss: float) -> float:
+    """Replace each parameter's gradient by its sum over processes (one all-reduce), and return
+    the summed loss. Each process's loss is already divided by the mini-batch's token count over
+    all processes, so the sums are the token-mean of the whole mini-batch."""
+    if PartialState().num_processes == 1:
+        return loss
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    loss_row = torch.tensor([loss], device=grads[0].device)
+    flat = reduce(torch.cat([g.float().flatten() for g in grads] + [loss_row]), "sum")
+    for p, g in zip(params, flat[:-1].split([p.numel() for p in params])):
+        p.grad = g.view_as(p).to(p.dtype)
+    return flat[-1].item()
+
+
+def mean_across_processes(stats: dict[str, list[float]]) -> dict[str, float]:
+    """The mean of each list over every process's entries (every process has the same keys)."""
+    dist = PartialState()
+    if dist.num_processes == 1:
+        return {k: float(np.mean(v)) for k, v in stats.items()}
+    names = sorted(stats)
+    sums = torch.tensor([[sum(stats[k]), len(stats[k])] for k in names], dtype=torch.float64,
+                        device=dist.device)
+    sums = reduce(sums, "sum")
+    return {k: (sums[i, 0] / sums[i, 1]).item() for i, k in enumerate(names)}
+
+
+def total(value: float) -> float:
+    """The sum of a number over processes."""
+    return sum(gather_object([value]))

@@ -1,0 +1,192 @@
+"""A training run's directory and everything written to it: config.json (the command and every
+setting), TensorBoard logs (and Weights & Biases with --track), checkpoint/ (the LoRA adapter, a
+model card, trainer_state.pt with the optimizer and every process's random streams, for --resume)
+and summary.json (what benchmarks/ read). The main process alone writes; every process holds a Run.
+
+    run = Run(args, script="proxmo.py")   # names the run, or reads --resume's checkpoint
+    run.open()                            # after the model loaded: a bad flag leaves nothing
+    run.log(stats, iteration)
+    run.save(model, base_model, iteration, {"optimizer": ..., "iteration": ...})
+    summary = run.finish(history)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from dataclasses import asdict
+
+import numpy as np
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object
+
+from common import UsageError
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds python, numpy and torch; asks torch for deterministic kernels where it has them."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def random_streams() -> dict:
+    """This process's python, numpy, torch (and CUDA) random states."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_random_streams(streams: dict) -> None:
+    random.setstate(streams["python"])
+    np.random.set_state(streams["numpy"])
+    torch.set_rng_state(streams["torch"])
+    if torch.cuda.is_available() and streams["cuda"]:
+        torch.cuda.set_rng_state_all(streams["cuda"])
+
+
+def check_finite(where: str, **values: float) -> None:
+    """Stop the run, before the optimizer step, when a loss or gradient norm is NaN or inf."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if bad:
+        found = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise FloatingPointError(f"{where}: non-finite {found}; stopped before the optimizer "
+                                 "step, the weights are unchanged")
+
+
+
+class Run:
+    """runs/<exp-name>__<env>__<method>__<seed>__<time>, or the --resume directory; with --resume,
+    `state` is its checkpoint's trainer_state.pt, checked before anything is written."""
+
+    def __init__(self, args, script: str, method: str | None = None):
+        self.args, self.script, self.dist = args, script, PartialState()
+        method = method or args.advantage
+        name = f"{args.exp_name}__{args.env}__{method}__{args.seed}__{int(time.time())}"
+        name = broadcast_object_list([name])[0]  # the main process's clock names the run
+        self.path = args.resume or os.path.join(args.run_dir, name)
+        self.checkpoint = os.path.join(self.path, "checkpoint")
+        self.writer = None
+        self.state = self._resume_state() if args.resume else None
+
+    def _resume_state(self) -> dict:
+        resume, file = self.args.resume, os.path.join(self.checkpoint, "trainer_state.pt")
+        if not os.path.isfile(file):
+            raise UsageError(f"--resume {resume}: no checkpoint/trainer_state.pt in it")
+        state = torch.load(file, weights_only=False)
+        if "streams" not in state:  # saved by one process before data parallel existed
+            state["streams"] = [{"python": state["python_rng"], "numpy": state["numpy_rng"],
+                                 "torch": state["torch_rng"], "cuda": state["cuda_rng"]}]
+        if state["iteration"] >= self.args.iterations:
+            raise UsageError(f"--resume {resume}: the run already did {state['iteration']} "
+                             "iterations; pass a larger --iterations to continue it")
+        if len(state["streams"]) != self.dist.num_processes:
+            raise UsageError(f"--resume {resume}: saved by {len(state['streams'])} processes, "
+                             f"resumed by {self.dist.num_processes}; their random streams "
+                             "continue only with as many processes")
+        return state
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def open(self) -> None:
+        """The run directory, its config.json (a resume adds its command to the first's), and the
+        loggers."""
+        if not self.dist.is_main_process:
+            return
+        args = self.args
+        os.makedirs(self.path, exist_ok=True)
+        config_file = self.file("config.json")
+        command = shlex.join([sys.executable, *sys.argv])
+        record = {"command": command, "args": asdict(args), "resumed_by": [],
+                  "num_processes": self.dist.num_processes}
+        if args.resume:  # keep the first command; a raised --iterations holds for later resumes
+            with open(config_file) as f:
+                record = {**json.load(f), "args": asdict(args)}
+            record["resumed_by"] = record.get("resumed_by", []) + [command]
+        with open(config_file, "w") as f:
+            json.dump(record, f, indent=1)
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, name=os.path.basename(self.path),
+                       config=asdict(args), dir=self.path, sync_tensorboard=True)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(self.path)
+        self.writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
+            f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
+
+    def log(self, stats: dict, step: int) -> None:
+        if self.writer is not None:
+            for k, v in stats.items():
+                self.writer.add_scalar(k, v, step)
+
+    def restore_random_streams(self) -> None:
+        set_random_streams(self.state["streams"][self.dist.process_index])
+
+    def save(self, model, base_model: str, iteration: int, trainer_state: dict,
+             adapters: dict | None = None) -> None:
+        """checkpoint/: the LoRA adapter (its config naming the base model), other adapters
+        (`adapters`, name -> model) in subfolders, a model card saying how to load the policy,
+        and trainer_state.pt with every process's random streams added, for --resume."""
+        streams = gather_object([random_streams()])
+        if self.dist.is_main_process:
+            path, args = self.checkpoint, self.args
+            for name, adapter in [("", model), *(adapters or {}).items()]:
+                if adapter is not None:
+                    adapter.peft_config["default"].base_model_name_or_path = base_model
+                    adapter.save_pretrained(os.path.join(path, name))
+            with open(os.path.join(path, "README.md"), "w") as f:  # PEFT's is empty
+                f.write(f"""---
+base_model: {base_model}
+library_name: peft
+---
+# LoRA adapter trained by {self.script}
+
+--advantage {args.advantage}, --env {args.env}, iteration {iteration} of {args.iterations},
+seed {args.seed}. The run's configuration is in ../config.json. To load the policy:
+
+```python
+from common.model import load_lora, load_model_and_tokenizer  # this repository's common/
+model, tokenizer = load_model_and_tokenizer("{base_model}")
+policy = load_lora(model, "{os.path.abspath(path)}")
+```
+""")
+            torch.save({**trainer_state, "streams": streams},
+                       os.path.join(path, "trainer_state.pt"))
+        self.dist.wait_for_everyone()
+
+    def finish(self, history: dict) -> dict:
+        """Closes the loggers, writes summary.json and prints the headline: start, final and best
+        success on the first evaluation split."""
+        args = self.args
+        if self.writer is not None:
+            self.writer.close()
+        if args.track and self.dist.is_main_process:
+            import wandb
+
+            wandb.finish()
+        headline = args.eval_splits[0]
+        key = f"eval_{headline}/success"
+        summary = {"start_success": history.get(0, {}).get(key),
+                   "final_success": history[max(history)][key],
+                   "best_success": max(h[key] for h in history.values() if key in h),
+                   "run_path": self.path}
+        if self.dist.is_main_process:
+            with open(self.file("summary.json"), "w") as f:
+                evaluations = {str(k): v for k, v in sorted(history.items())}
+                json.dump({**summary, "evaluations": evaluations}, f, indent=1)
+        start = summary["start_success"]
+        start = "n/a (resumed)" if start is None else f"{start:.3f}"
+        print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} "
+              f"(final), best {summary['best_success']:.3f}; logs and checkpoint in {self.path} "
+              f"(tensorboard --logdir {args.run_dir})")
+        return summary
