@@ -15,75 +15,29 @@ reward. Two things differ from SPA:
     (1 - alpha) * that + alpha * g_t, g_t = 1 when the action was admissible (Eq. 8). The outcome
     enters only through the two reward models.
 
-Where this script chooses, or departs from the paper (no code was released; spec: `Choice:`):
-  * Segmentation by environment events instead of GPT-4o: a turn whose feedback is a milestone
-    (You pick up / move / put / clean / heat / cool / turn on) or the first sighting of the goal's
-    object ends a segment; `--segmenter turns` (the "w/o SPR" ablation) or `whole`.
-  * Collection filter: a trajectory with a malformed reply (no action, or text repeating itself)
-    is dropped; the paper keeps 92.7 % of its ALFWorld rollouts, so not failures that loop
-    (`--collect-filter loops`, the old reading, also drops an action that gets the same feedback
-    three turns in a row). A tenth of the collected tasks (--aux-heldout) is held out, every
-    rollout unfiltered as RL sees them, to report the SPRM's fit (AUC won vs lost, MSE beside a
-    constant's) and the hindsight model's NLL beside the start policy's.
-  * SPRM: head W2 SiLU(W1 h), W1 H x H and W2 H x 1 without biases, W2 zero at the start, on the
-    final-norm hidden state at the token closing the segment's last reply; Eq. 3 averaged over a
-    batch. Hindsight model: Eq. 4 as the token mean of a batch. Both are full copies of the start
-    policy, every weight trained (the paper's; --no-aux-full-params: a LoRA adapter on each copy).
-  * Their inputs: one chat of the whole episode ([task and first observation], reply, "Observation:
-    ...", ...), not the step prompts; replies are stripped of outer white space. The cloze input
-    shows every turn with reply k replaced by "___", every observation (the last one too), the
-    admissible actions of turn k (what the policy's prompt listed; Eq. 5 assumes the hindsight
-    model knows what the policy knew; --no-hindsight-admissible leaves them out), then the
-    outcome; its target is the exact reply token ids the policy sampled. With the tiny
-    models the fixed texts are made of words their vocabulary knows ("?" for the hidden reply).
-    The copies train in float32 (bf16 would round the paper's 1e-6 steps away).
-    Longer than --aux-max-tokens: an SPRM transcript is left out of training (counted) and read in
-    RL from its longest suffix of whole turns that fits (segments ending before it get 0); a
-    cloze input drops the turns farthest from k, alternately after and before it (counted).
-  * Eq. 5's denominator is the rollout policy (PPO's old log-probs, at the rollout temperature;
-    with --rl-data explore, the current policy on replies the start sampled at
-    --collect-temperature); the hindsight model is scored at temperature 1. Eq. 7's norm is L1
-    (the paper's case studies match it, L2 does not), times the SPRM's L1 mass (--him-scale
-    sprm, default), so that a trajectory's rewards keep its predicted outcome (App. C; every
-    case study is a win where the two agree); `--him-scale unit`, Eq. 7 as written, gives every
-    trajectory mass 1, won or lost. A segment's modulated reward lands on its last turn
-    (--him-placement uniform spreads it). "w/o HIM" (--no-use-hindsight) keeps Eq. 7 with z = 1.
-  * Grounding as a cost by default, alpha * (g_t - 1), g_t the environment's admissibility flag:
-    0 for an admissible action, -alpha for another. It differs from Eq. 8 by a constant per
-    turn; Eq. 8 as written pays for length online (HISR went to 0 % success, every episode at the
-    step limit, docs/hisr.md): `--grounding-form eq8`.
-  * Online RL (default): every iteration rolls out the current policy and scores the new
-    trajectories with the frozen reward models (the paper does not say; its limitations section
-    implies it). `--rl-data explore` trains on the collected rollouts, one pass in order, as
-    SPA's released code does; `--advantage ppo` then trains on the same rollouts.
-  * PPO as spa.py's: token-level clipped ratio, every token of a reply gets its step's advantage,
-    advantages whitened over the batch (population variance), returns un-whitened, V after the
-    last step 0; the KL to the reference (adapter disabled) is k1 summed over a reply's tokens
-    and subtracted from its reward at a fixed 0.01 (the paper's coefficient, how it is applied is
-    not said). The critic is spa.py's: a zero-initialised Linear(H, 1) value head on the policy's
-    final hidden state at the last prompt token, backbone and LoRA shared, with its own learning
-    rate and a clipped value loss (the spec's separate critic adapter is not built: sharing keeps
-    the update section identical to spa.py's, so that the two differ only in their rewards).
-  * The batch and the tiny presets are the harness's (--tasks-per-iteration x --group-size
-    rollouts, 4 x 8; one PPO epoch of 256-step mini-batches; LoRA rank 16, alpha 32; the value
-    loss weighs 0.1, small because the critic shares the LoRA) so that every method is compared
-    on the same budget; the spec's tiny table has 16 rollouts, 4 epochs of 64 and rank 8. The
-    real preset takes the spec's 16 rollouts per iteration, 40-step limit, full history, 4
-    epochs of 64-step mini-batches and the paper's learning rates, but the harness's BC (LoRA at
-    1e-4, batch 16, merged; the paper: every weight at 1.5e-5, batch 32). The paper's backbone
-    is Llama-3.2-3B-Instruct; pass it with --model.
-  * With --segmenter whole and --him-scale unit every trajectory gets one modulated reward of
-    sign(r^) = +-1, whatever its outcome: the run prints a warning; credit/him_sum_won and _lost
-    show how far it holds with events too.
-  * Prompts, rollouts, evaluation and behavior cloning are this project's harness (the same as
-    proxmo.py); evaluation samples at temperature 0.4 like every script here (the paper decodes
-    greedily: --eval-temperature 0). With `--model tiny` the shipped start is already the cloned
-    policy: --bc-epochs 0. Real models clone first (--bc-epochs 3, LoRA, merged; the paper
-    fine-tunes every weight).
-  * Not built: the spec's --no-aux-full-params shares one base between LoRA adapters; here each
-    adapter sits on its own float32 copy (it saves the optimizer states, not the weights). The
-    cloze inputs of a batch are encoded up front (a real model's collection holds tens of
-    thousands of them in memory as token ids).
+Departures from the paper (no code was released; spec: `Choice:`; in full: docs/hisr.md,
+"Departures from the paper, in full"):
+  * Segments end at environment events, not GPT-4o's; --segmenter turns ("w/o SPR") or whole.
+  * Collection drops trajectories with a malformed reply (--collect-filter loops: 3-turn loops
+    too); a held-out tenth of the tasks (--aux-heldout) reports the reward models' fit.
+  * SPRM head W2 SiLU(W1 h), no biases, W2 zero at the start; both reward models are full copies,
+    every weight trained (--no-aux-full-params: a LoRA adapter on each).
+  * Inputs: one chat of the episode; the cloze shows all but reply k, turn k's admissible actions
+    (--no-hindsight-admissible), the outcome; float32; over --aux-max-tokens: cut, counted.
+  * Eq. 5 over the rollout policy; Eq. 7 L1 times the SPRM's mass (--him-scale sprm; unit: Eq. 7
+    as written), on the last turn (--him-placement uniform); --no-use-hindsight (w/o HIM): z = 1.
+  * Grounding as a cost, alpha * (g_t - 1), Eq. 8 less a constant per turn: --grounding-form eq8.
+  * Online RL by default (the paper does not say); --rl-data explore: one pass over the
+    collection, as SPA's code; --advantage ppo then trains on the same rollouts.
+  * PPO, KL (fixed 0.01) and critic as spa.py's: a value head sharing the LoRA, not the spec's
+    separate critic adapter, so that the two scripts differ only in their rewards.
+  * Batch and tiny presets: the harness's (the spec's tiny: 16 rollouts, 4 epochs of 64, rank 8);
+    real preset: the spec's, but the harness's BC; the paper's Llama-3.2-3B-Instruct: --model.
+  * --segmenter whole with --him-scale unit gives every trajectory +-1: the run warns.
+  * Harness prompts, rollouts, BC; eval at 0.4 (the paper: --eval-temperature 0); tiny ships
+    cloned (--bc-epochs 0), real models clone with LoRA (the paper: every weight).
+  * Not built: one shared base for the --no-aux-full-params adapters (each has its own float32
+    copy); streaming the cloze inputs (a batch's are encoded up front).
 
 Run:
     python hisr.py                          # tiny model, built-in household, CPU, minutes

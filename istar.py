@@ -12,54 +12,26 @@ iStar learns a dense reward per step without step labels:
   Step rewards come from the PRM as it was before this iteration's DPO step (Algorithm 1). No
   critic, no extra rollouts, no step labels.
 
-Where this script chooses, or departs from the paper and its released code (spec: `Choice:`):
-  * Both models are LoRA adapters, each on its own copy of the start model (the code fine-tunes
-    two full models; a shared base would save one copy's memory). At the start both adapters are
-    zero, so r_t = 0 exactly in the first iteration: the old log-probs are recomputed by the same
-    forward pass the PRM uses, not taken from sampling, whose cached kernels differ by float
-    noise that the step normalisation would blow up. Both read responses at the rollout
-    temperature (1, the paper's).
-  * DPO score of a trajectory: the mean of its step rewards (`--traj-agg mean`, as the code;
-    `sum` is the literal Eq. 2); pairs over the whole batch's groups, loss averaged over pairs;
-    a batch without a pair leaves the PRM unchanged. One AdamW step per iteration on the full
-    batch (gradient-norm clip 10, no weight decay, as the code); the gradient is exact but
-    computed in micro-batches: dLoss/dr_t first, from the rewards already scored, then
-    sum_t dLoss/dr_t * r_t(phi) backpropagated, so no trajectory's graph is held whole.
-  * Step rewards are divided by the batch's max |r| + 1e-6 before the advantages
-    (`--step-reward-scale max_abs`, the code's default; the DPO step uses raw rewards).
-  * RLOO step baseline: the mean of all the group's other steps (the code's de-duplicated
-    version is a bug, spec section 2). iStar's GRPO only centres both terms, as the code's
-    mean_norm (--use-std: the paper's z-score, Bessel std + 1e-6); --advantage grpo z-scores.
-    A group of one keeps its raw values (veRL's rule), and a set of equal values gives
-    exactly 0 in both estimators.
-  * Loss: token-level ratio, clip 0.2, token-mean (the code's default); the code's entropy bonus
-    0.001 and dual clip 3 are off (--entropy-coef, --clip-ratio-c); no KL (--kl-coef 0). The
-    spec's GSPO-style step-level ratio is not built.
-  * Outcome: r_o = 10 for a won episode, 0 for a lost one (--success-reward, the code's 10 on
-    WebShop and Sokoban). It sets the RLOO episode term's scale against the rescaled step term
-    (|r| <= 1), also in iStar's GRPO (centred only); the z-score is scale-free. DPO positives:
-    the won episodes.
-  * Invalid replies: the harness's rule for every script, --invalid-action-penalty subtracted
-    from the advantage of each malformed reply after all normalisation, not the spec's -0.1 env
-    reward inside r_o (which would make a won trajectory with many invalid replies a negative).
-  * Learning rates: LoRA rates, not the paper's full fine-tuning ones, in the code's relation
-    (run_webshop.sh: iStar 5e-7, PRM 1e-6, RLOO / GRPO 1e-6): iStar's policy at half the
-    baselines' rate, the PRM at twice iStar's; `--step-weight 0` runs at iStar's rates.
-    Policy weight decay 0 (the code: 0.01), as every script here. The baselines (--advantage
-    rloo / grpo) take their old log-probs as recorded at sampling; only iStar recomputes them.
-  * Logged: the PRM's pairwise accuracy before its step (the code's dpo_acc_before; over the
-    batch's pairs, a tie 1/2) and the step term's share of |A| in uniform and in mixed groups.
-  * A batch without any won-lost pair (or --group-size 1) leaves the PRM as it is, but its step
-    rewards are not 0 once the policy has moved: r_t then measures the policy's drift from the
-    PRM, and the step term pulls the policy back toward it.
-  * Environments: the household and ALFWorld (step limits 30 / 50), not the paper's WebShop,
-    VisualSokoban and SOTOPIA (10 / 15 turns in the code).
-  * Prompts, rollouts, evaluation and behavior cloning are this project's harness (the same as
-    proxmo.py): a windowed history prompt with the admissible actions, not the paper's ReAct
-    template. With `--model tiny` the shipped start is already behavior-cloned; real models
-    start from the Instruct checkpoint, as the paper (--bc-epochs 0).
-  * Not built: the PRIME baseline (token-level implicit rewards) and the "merged" ablation, which
-    the spec does not specify; REINFORCE++ w/ iStar.
+Departures from the paper and its released code (spec: `Choice:`; in full: docs/istar.md,
+"Departures from the paper, in full"):
+  * Both models are LoRA adapters on their own copies of the start (the code: two full models);
+    r_t = 0 in iteration 1, old log-probs recomputed by the PRM's pass; both at temperature 1.
+  * DPO score: the mean of the step rewards (--traj-agg mean, the code's; sum: Eq. 2), pairs over
+    the batch; one AdamW step per iteration, clip 10; exact gradient computed in micro-batches.
+  * Step rewards divided by the batch's max |r| + 1e-6 (--step-reward-scale max_abs; DPO: raw).
+  * RLOO step baseline: the group's other steps; iStar's GRPO only centres (--use-std: z-score),
+    --advantage grpo z-scores; a group of one keeps raw values, equal values give exactly 0.
+  * Loss: token-level ratio, clip 0.2, token-mean; no entropy bonus, dual clip or KL
+    (--entropy-coef, --clip-ratio-c, --kl-coef 0); the spec's GSPO-style ratio is not built.
+  * Outcome r_o = 10 for a win, 0 for a loss (--success-reward, the code's); DPO positives: wins.
+  * Invalid replies: --invalid-action-penalty off the advantage, not the spec's -0.1 inside r_o.
+  * LoRA rates in the code's relation: the policy at half the baselines', the PRM at twice the
+    policy's; weight decay 0; the baselines keep the old log-probs recorded at sampling.
+  * Logged: the PRM's pair accuracy before its step; the step term's share of |A| by group kind.
+  * No won-lost pair: the PRM stays, but r_t then measures the policy's drift and pulls it back.
+  * Environments: the household and ALFWorld (30 / 50 steps), not WebShop, VisualSokoban, SOTOPIA.
+  * Harness prompts, rollouts, BC (not ReAct); real models start from Instruct (--bc-epochs 0).
+  * Not built: the PRIME baseline, the "merged" ablation, REINFORCE++ w/ iStar.
 
 Run:
     python istar.py                         # tiny model, built-in household, CPU, minutes

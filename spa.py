@@ -10,59 +10,25 @@ SPA turns the sparse outcome of an episode into a dense reward per step:
     it (Eqs. 9-10), here over the exploration rollouts themselves, one pass, as the released
     code does. The outcome itself enters the reward only through the c_t.
 
-Where this script chooses, or departs from the paper and its released code (spec: `Choice:`):
-  * PE: the start policy's weights plus a fresh LoRA adapter and Linear(H, 1) on the final-norm
-    hidden state (the code: full fine-tuning, a head on the logits: the same function class);
-    `--pe-head mlp` for the paper's "light MLP". It reads [task and first observation, a_0, o_0,
-    ..., a_{n-1}] as one chat (the trailing observation dropped) at the closing token of every
-    reply; only the agent's replies are scored (the code also scores its "OK" message).
-  * PE training: AdamW at a constant rate, no weight decay, no warm-up (the code: lr 3e-6, 500
-    warm-up steps, weight decay 0.01, full fine-tuning), gradient-norm clip 1.0 as the code; a
-    tenth of the explored tasks (--pe-heldout) is held out, untrained on, to report the fit
-    beside a constant predictor's (the code trains on every rollout). A rollout longer than
-    --pe-max-tokens is left out of training (counted, and how many of them won); in RL it is
-    read up to the limit: replies closing within it are scored exactly (c_t is causal), later
-    steps get 0.
-  * RL data: `--rl-data explore` (default, the released code's) trains on the exploration
-    rollouts, one pass in order (old log-probs recomputed from the current policy, so the ratio
-    starts at 1); `--advantage ppo` then trains on the same rollouts with the sparse outcome.
-    `--rl-data online` rolls out the current policy every iteration and reads the c_t of the new
-    rollouts from the frozen PE.
-  * Grounding as a cost by default, beta * (g_t - 1): 0 for an executable action, -beta for an
-    inadmissible one. It differs from Eq. 8 by a constant per step; Eq. 8 as written pays for
-    length online (SPA online lost 0.22 of the start's success while episodes grew, docs/spa.md).
-    The cost form is also the default in explore mode, where the released code pays Eq. 8: with
-    GAE a constant per step still credits the actions of longer (mostly failed) rollouts, offline
-    too. `--grounding-form eq8` is Eq. 8 as written.
-  * Critic: a Linear(H, 1) value head on the policy's final hidden state at the last prompt token
-    of each step (the position that predicts the action's first token), backbone and LoRA shared
-    with the policy, zero-initialised (V = 0 at the start), clipped value loss with coefficient
-    0.1 (trl's defaults); its own learning rate (--value-learning-rate; the code has one rate).
-  * KL to the reference (the adapter disabled): kl_coef * sum over a step's tokens of
-    log pi_old - log pi_ref, subtracted from that step's reward, at a fixed 0.01 (HISR's, so that
-    the PPO baselines of spa.py and hisr.py are one update; the code adapts it from 0.3 by less
-    than 15 % over a run: --kl-coef 0.3).
-  * One step advantage for every token of the reply; advantages whitened over the batch with the
-    population variance (the code: over tokens, unbiased); returns (critic targets) un-whitened;
-    V after the last step is 0, success and step limit alike.
-  * g_t = 1 unless the reply has no <action> tag or the environment answered "Nothing happens."
-    (grounding_flag). Evaluation reports the harness's grounding (admissible actions over all
-    steps; the household answers exactly the inadmissible ones "Nothing happens.", ALFWorld
-    answers every inadmissible one so) and the paper's per-trajectory mean of it
-    (eval_*/grounding_per_trajectory).
-  * The batch: the harness's --tasks-per-iteration x --group-size rollouts, mini-batches of
-    --minibatch-size steps (several optimizer steps per PPO epoch) and gradient clipping at 1.0;
-    the code takes 8 trajectories per batch, one optimizer step per epoch, no clipping. The real
-    preset keeps the harness's 50-step limit (the code's ALFWorld cap is 40).
-  * Prompts, rollouts, evaluation and behavior cloning are this project's harness (the same as
-    proxmo.py): a windowed history prompt with the admissible actions, not the paper's ReAct
-    prompt with a one-shot example; evaluation samples at temperature 0.4 like every script here
-    (the paper decodes greedily: --eval-temperature 0).
-  * With `--model tiny`, the shipped start is already the behavior-cloned policy (the same expert,
-    this harness's BC): --bc-epochs 0. Real models clone first (--bc-epochs 3, LoRA, merged).
-  * Not built: micro-batching or gradient checkpointing in PE training (a batch of
-    --pe-batch-size whole trajectories goes through one forward and backward; with a real model
-    and long trajectories lower --pe-batch-size).
+Departures from the paper and its released code (spec: `Choice:`; in full: docs/spa.md,
+"Departures from the paper, in full"):
+  * PE: start weights, a fresh LoRA and Linear(H, 1) on the final-norm state (the code: full
+    fine-tuning, a head on the logits); --pe-head mlp: the paper's MLP; scores only the replies.
+  * PE training: AdamW, constant rate, no decay or warm-up, clip 1.0 (the code: lr 3e-6, warm-up,
+    decay 0.01); --pe-heldout tenth held out; rollouts over --pe-max-tokens read up to the limit.
+  * RL data: --rl-data explore (default, the code's), one pass over the exploration rollouts;
+    --rl-data online: fresh rollouts; --advantage ppo: the same rollouts, the sparse outcome.
+  * Grounding as a cost, beta * (g_t - 1): Eq. 8 less a constant per step, explore mode too (Eq. 8
+    pays for length); --grounding-form eq8 is Eq. 8 as written.
+  * Critic: zero-initialised value head on the policy, LoRA shared, own --value-learning-rate.
+  * KL to the reference in the step reward, fixed 0.01 as HISR's (the code adapts --kl-coef 0.3).
+  * One advantage per reply, whitened over the batch (population variance; the code: over tokens).
+  * g_t = 1 unless no <action> tag or "Nothing happens."; eval also logs the per-trajectory mean.
+  * Batch: the harness's, --minibatch-size steps, clip 1.0 (the code: 8 trajectories, one step
+    per epoch, no clip); real preset: 50-step limit (the code's ALFWorld: 40).
+  * Harness prompts, rollouts, BC (not ReAct); eval at 0.4 (the paper: --eval-temperature 0).
+  * --model tiny ships cloned (--bc-epochs 0); real models clone first (--bc-epochs 3, LoRA).
+  * Not built: micro-batching or checkpointing in PE training (lower --pe-batch-size).
 
 Run:
     python spa.py                           # tiny model, built-in household, CPU, minutes

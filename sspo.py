@@ -17,60 +17,29 @@ and how many of them won. From these counts:
   no reward model. --advantage grpo is the GRPO baseline on whole episodes: proxmo.py's, at its
   learning rate (PRESETS' "baseline" rows), the same run to the bit.
 
-The paper's text lost its equations; Eqs. 1-3 follow the authors' code and Eq. 4 is reconstructed
-from their launch scripts (the spec, ../shared/specs/sspo.md, marks each). [reconstructed] below
-marks ours. Where this script departs from the paper or chooses where it is silent:
-  * The search runs in synchronous rounds over --tasks-per-iteration tasks (the authors' GUI
-    code): each round pops one node per task, samples every task's group in one generation call,
-    makes one policy update on all groups of the round, and then adds the round's finished paths
-    to the counters. Every score of a round is read from the table as the round began, so the
-    table's reads do not depend on how the tasks are split between processes.
-  * A task's search stops when its frontier is empty, after --max-paths finished paths (8, the
-    GRPO group size) or after --generations-per-task sampled actions (8 x the step limit), so
-    that a task costs about what GRPO's 8 episodes cost. The paper's search ends only with an
-    empty frontier. One expansion may pass a budget: by fewer than K_max actions, or by up to
-    K_max - 1 paths (each terminal child finishes one, and every one is counted).
-  * States are keyed by the observation alone, shared across tasks, as the authors' code does
-    (65 % of the household's (task, observation) occurrences are texts shared between tasks);
-    a group is one expansion's children, never merged with another task's expansion of the
-    same key (the GUI loop groups by parent state across slots); per-task keys behind
-    --no-share-states-across-tasks. "Nothing happens." keeps the current key: no novelty for a
-    command that changed nothing.
-  * lambda_t = alpha ln t with alpha 0.25, not the paper's 50: at 50 a state with one won path
-    scores about 0 and gets one action, never a group, and the paper's case study (S about 0.3,
-    n = 3 at the 10th visit) cannot arise. alpha 0.25 [reconstructed] came closest to it among
-    0.25, 0.5, 1 and the authors' GUI loop's schedule (--lambda-schedule gui, lambda_base
-    (1 - exp(-t / horizon)) [reconstructed]): the scores of the states on 8-12 finished paths
-    after 8 short training iterations (docs/sspo.md), not a valid-split success.
-  * Counters change only when a path finishes: every distinct state popped on the path from the
-    root, +1 visit and +1 success if it won; t counts 1 + the finished paths.
-  * The terminal next state, the game's own end (a win), scores 1 exactly (the code's outcome,
-    made explicit): the score difference of a winning step is S(s_t) - 1 <= 0 [spec §9.4, kept
-    as is]. A step that reaches the step limit without a win is scored from the table like any
-    other, and ends a lost path. A gated (hopeless) child scores high, as S = 0 makes its
-    difference largest; the search cuts it at the next pop.
-  * R_succ is 10 on a won step, the env's reward the code passes (verl-agent's; --success-reward
-    1 is a 0/1 indicator); a malformed reply subtracts --step-invalid-penalty 0.1 from its
-    reward, before the group normalisation. The old reading of this script:
-    --no-share-states-across-tasks --score-alpha 50 --success-reward 1.
-    The GRPO baseline keeps proxmo.py's rule instead (--invalid-action-penalty 0.01 off the
-    advantage), so that its numbers are proxmo.py's.
-  * A child that repeats its parent's state or a sibling's is trained on but not pushed. A node
-    whose children all end or repeat ends its branch without a finished path.
-  * Group advantages divide by the Bessel std (the paper's "group-normalised"; the repository's
-    helper only centres: --no-use-std). A group of one is never trained on.
-  * --no-backtracking (the ablation) keeps only the best child; when its branch ends, the search
-    starts a new path from the task's first state instead of backtracking [reconstructed].
-  * --fixed-novelty-weight w is the "w/o adaptive w" ablation; the paper's value was lost (0.25,
-    where the two adaptive weights cross, is a guess). --no-novelty-reward and
-    --no-score-difference-reward drop their term and leave the other weights as they are;
-    --uniform-rollouts samples K_max actions where the gate is open and still cuts where it is
-    closed.
-  * LoRA instead of full fine-tuning, hence a larger learning rate; no entropy bonus.
-    ppo_clip_loss keeps the harness's argument names (old_logp, ref_logp, advantages: the
-    spec's logp_old, logp_ref, adv, in the same order).
-  * The built-in household copies its state for each branch (snapshot/restore); ALFWorld's engine
-    cannot, so a branch replays its commands from a reset (slow: about a CPU-second per branch).
+The paper's text lost its equations: Eqs. 1-3 follow the authors' code, Eq. 4 their launch scripts
+(the spec, ../shared/specs/sspo.md, marks each); [reconstructed] marks ours. Departures from the
+paper, or choices where it is silent (in full: docs/sspo.md, "Departures from the paper, in full"):
+  * Synchronous rounds over --tasks-per-iteration tasks (the GUI code): one policy update per
+    round, every score read from the table as the round began.
+  * A task stops at an empty frontier (the paper's only end), --max-paths (8) or
+    --generations-per-task (8 x the step limit): GRPO's cost; one expansion may overshoot.
+  * States keyed by the observation, shared across tasks (the code's; per-task keys:
+    --no-share-states-across-tasks); a group is one expansion's; "Nothing happens." keeps the key.
+  * lambda_t = alpha ln t with alpha 0.25 [reconstructed], not the paper's 50 (no groups at 50);
+    --lambda-schedule gui: the GUI loop's schedule [reconstructed].
+  * Counters change when a path finishes: +1 visit (+1 success) per distinct state; t = 1 + paths.
+  * A win's next state scores 1 (spec §9.4); a step-limit state scores from the table; a gated
+    child scores high and is cut at the next pop.
+  * R_succ 10 (--success-reward 1: a 0/1 indicator); --step-invalid-penalty 0.1 in the reward;
+    the GRPO baseline keeps proxmo.py's --invalid-action-penalty 0.01.
+  * A child repeating its parent's or a sibling's state is trained on, not pushed.
+  * Group advantages divide by the Bessel std (--no-use-std: centred only); no group of one.
+  * --no-backtracking restarts from the task's first state when the branch ends [reconstructed].
+  * --fixed-novelty-weight (w/o adaptive w; 0.25 a guess), --no-novelty-reward,
+    --no-score-difference-reward, --uniform-rollouts (the gate still cuts): ablations.
+  * LoRA, a larger learning rate, no entropy bonus; ppo_clip_loss keeps the harness's arg names.
+  * The household snapshots each branch; ALFWorld replays a branch from a reset (slow).
   * Evaluation plays plain one-sample episodes (no table, no search), as the paper's.
 
 Run:

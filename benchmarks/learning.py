@@ -118,12 +118,32 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
     if shlex.join(flags) not in config["command"]:
         raise SystemExit(f"{run_path} ran {config['command']!r}, not with the flags "
                          f"{shlex.join(flags)!r}")
+    now = resolved_args(script, config["command"])
+    changed = [f"--{k.replace('_', '-')} {ran.get(k)!r} (now {now[k]!r})" for k in sorted(now)
+               if k != "resume" and json.dumps(now[k]) != json.dumps(ran.get(k))]
+    if changed:
+        raise SystemExit(f"{run_path} ran with {', '.join(changed)}: {script} resolves the same "
+                         "command differently today (a default changed since). Delete the run "
+                         "directory to run it again.")
     seconds = os.path.getmtime(summary_file) - os.path.getmtime(os.path.join(run_path,
                                                                               "config.json"))
     return {"script": script, "estimator": estimator, "seed": seed, "split": split,
             "eval_num_tasks": eval_num_tasks, "flags": flags, "command": config["command"],
             "minutes": seconds / 60, "evaluations": summary["evaluations"],
             "train_success": training_curve(run_path)}
+
+
+def resolved_args(script: str, command: str) -> dict:
+    """The settings `script` gives a run's command line today, as its config.json stores them."""
+    import dataclasses
+    import importlib
+
+    argv = shlex.split(command)
+    argv = argv[next(i for i, a in enumerate(argv) if a.endswith(os.path.basename(script))) + 1:]
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+    return json.loads(json.dumps(dataclasses.asdict(module.parse_args(argv))))
 
 
 def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: int,

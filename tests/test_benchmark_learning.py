@@ -111,6 +111,17 @@ def test_the_protocol_runs_at_a_tiny_size_and_resumes_from_its_records(tmp_path)
     assert "grpo-seed2: finished in" in again.stdout and "--advantage" not in again.stdout
     assert again.stdout.split("| script |")[1] == result.stdout.split("| script |")[1]
     assert json.loads((records / "grpo-seed2.json").read_text())["flags"] == record["flags"]
+    # A finished run whose settings the script no longer gives its command (a default changed
+    # since) is refused, not recorded.
+    os.remove(records / "grpo-seed2.json")
+    (config_file,) = (tmp_path / "runs").rglob("grpo-seed2/*/config.json")
+    config = json.loads(config_file.read_text())
+    config["args"]["psc_beta"] = 0.5
+    config_file.write_text(json.dumps(config))
+    stale = _protocol(tmp_path)
+    assert stale.returncode != 0 and "ran with --psc-beta 0.5 (now 0.1)" in stale.stderr
+    config["args"]["psc_beta"] = 0.1
+    config_file.write_text(json.dumps(config))
     # A record of another evaluation is refused, not reused.
     (records / "proxmo-seed1.json").write_text(json.dumps({**record, "split": "test"}))
     refused = _protocol(tmp_path)
