@@ -82,9 +82,8 @@ from common.dist import (batch_offsets, launch_errors, mean_across_processes, pr
                          same_start, sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
-from common.model import (add_lora, length_sorted_chunks, load_lora, load_model_and_tokenizer,
-                          merge_lora, pad_prompt_response, pad_rows, resolve_model_name,
-                          response_logprobs)
+from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
+                          pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, seed_everything
 from envs.text import PROMPT_INTRO, PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
@@ -1627,14 +1626,7 @@ def main(args: Args) -> dict:
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
     # then the LoRA adapter trained by RL.
-    base_path = os.path.join(run.path, "base_model")
-    resumed_base = args.resume and os.path.isdir(base_path)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    # Several processes on GPUs: each its own (cuda:<local rank>), as accelerate assigned it.
-    device = str(dist.device) if dist.num_processes > 1 and args.device != "cpu" else args.device
-    model, tokenizer = load_model_and_tokenizer(base_path if resumed_base else args.model,
-                                                vocabulary=vocab, seed=args.seed, dtype=dtype,
-                                                device=device)
+    model, tokenizer = run.load_model(vocab)
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
 
     targets = args.lora_target_modules
@@ -1653,16 +1645,7 @@ def main(args: Args) -> dict:
         print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
               f"(final loss {stats['bc/loss']:.3f})")
         run.log(stats, 0)
-    if (args.bc_epochs > 0 or args.model == "tiny-scratch") and not args.resume:
-        # The model RL starts from exists nowhere else: keep it beside the adapter.
-        if dist.is_main_process:
-            model.save_pretrained(base_path)
-            tokenizer.save_pretrained(base_path)
-        dist.wait_for_everyone()
-    if os.path.isdir(base_path):
-        base_model = os.path.abspath(base_path)
-    else:
-        base_model = resolve_model_name(args.model)[0]
+    base_model = run.keep_base(model, tokenizer)  # the start, saved if nowhere else
     # HISR's reward models start from the policy's start: a copy, before the policy's adapter.
     aux_start = copy.deepcopy(model) if args.advantage == "hisr" else None
     if args.resume:
@@ -1673,7 +1656,7 @@ def main(args: Args) -> dict:
     if args.gradient_checkpointing:  # non-reentrant: works with the frozen embeddings of LoRA
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # The critic: a value head on the policy's final hidden state, backbone and adapter shared.
-    value_head = make_head(model.config.hidden_size, "linear", device)
+    value_head = make_head(model.config.hidden_size, "linear", run.device)
     # Data parallel: every process starts from process 0's weights.
     same_start([*model.parameters(), *value_head.parameters()], args.seed)
 

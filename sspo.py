@@ -83,9 +83,8 @@ from common.dist import (batch_offsets, launch_errors, mean_across_processes, pr
                          same_start, sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
-from common.model import (add_lora, length_sorted_chunks, load_lora, load_model_and_tokenizer,
-                          merge_lora, pad_prompt_response, pad_rows, resolve_model_name,
-                          response_logprobs)
+from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
+                          pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, seed_everything
 from envs.text import PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
@@ -1075,14 +1074,7 @@ def main(args: Args) -> dict:
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
     # then the LoRA adapter trained by RL.
-    base_path = os.path.join(run.path, "base_model")
-    resumed_base = args.resume and os.path.isdir(base_path)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    # Several processes on GPUs: each its own (cuda:<local rank>), as accelerate assigned it.
-    device = str(dist.device) if dist.num_processes > 1 and args.device != "cpu" else args.device
-    model, tokenizer = load_model_and_tokenizer(base_path if resumed_base else args.model,
-                                                vocabulary=vocab, seed=args.seed, dtype=dtype,
-                                                device=device)
+    model, tokenizer = run.load_model(vocab)
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
 
     targets = args.lora_target_modules
@@ -1101,16 +1093,7 @@ def main(args: Args) -> dict:
         print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
               f"(final loss {stats['bc/loss']:.3f})")
         run.log(stats, 0)
-    if (args.bc_epochs > 0 or args.model == "tiny-scratch") and not args.resume:
-        # The model RL starts from exists nowhere else: keep it beside the adapter.
-        if dist.is_main_process:
-            model.save_pretrained(base_path)
-            tokenizer.save_pretrained(base_path)
-        dist.wait_for_everyone()
-    if os.path.isdir(base_path):
-        base_model = os.path.abspath(base_path)
-    else:
-        base_model = resolve_model_name(args.model)[0]
+    base_model = run.keep_base(model, tokenizer)  # the start, saved if nowhere else
     if args.resume:
         model = load_lora(model, run.checkpoint)
     else:

@@ -27,6 +27,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
 from common import UsageError
+from common.model import load_model_and_tokenizer, resolve_model_name
 
 
 def seed_everything(seed: int) -> None:
@@ -95,6 +96,34 @@ class Run:
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    @property
+    def device(self) -> str:
+        """--device; with several processes on GPUs, each its own (cuda:<local rank>)."""
+        if self.dist.num_processes > 1 and self.args.device != "cpu":
+            return str(self.dist.device)
+        return self.args.device
+
+    def load_model(self, vocabulary: list[str] | None = None):
+        """(model, tokenizer): --model, or on --resume the start model the run saved
+        (keep_base), in bfloat16 on a GPU and float32 on a CPU."""
+        args = self.args
+        base = self.file("base_model")
+        name = base if args.resume and os.path.isdir(base) else args.model
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        return load_model_and_tokenizer(name, vocabulary=vocabulary, seed=args.seed,
+                                        dtype=dtype, device=self.device)
+
+    def keep_base(self, model, tokenizer) -> str:
+        """The start model's name for the adapter's config: --model's, or, when the start exists
+        nowhere else (after behavior cloning, or tiny-scratch), the copy saved beside it."""
+        args, base = self.args, self.file("base_model")
+        if (args.bc_epochs > 0 or args.model == "tiny-scratch") and not args.resume:
+            if self.dist.is_main_process:
+                model.save_pretrained(base)
+                tokenizer.save_pretrained(base)
+            self.dist.wait_for_everyone()
+        return os.path.abspath(base) if os.path.isdir(base) else resolve_model_name(args.model)[0]
 
     def open(self) -> None:
         """The run directory, its config.json (a resume adds its command to the first's), and the
