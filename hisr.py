@@ -1580,7 +1580,8 @@ def main(args: Args) -> dict:
     errors = validate_args(args)
     # One process, or one of those `accelerate launch` started (gloo between CPU processes).
     dist = PartialState(cpu=args.device == "cpu")
-    errors += launch_errors(args, dist, os.path.basename(__file__))
+    also = " --reward-models <its run>/reward_models" if args.advantage == "hisr" else ""
+    errors += launch_errors(args, dist, os.path.basename(__file__), also)
     if dist.num_processes > 1:
         if args.advantage == "hisr" and args.reward_models is None and not args.resume:
             errors.append("collection and the reward models' training run in one process: run "

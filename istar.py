@@ -423,8 +423,7 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
         weights = torch.tensor([coefficients[k] for k in idx], dtype=step_rewards.dtype,
                                device=device)
         (weights * step_rewards).sum().backward()
-    if dist.num_processes > 1:  # every process holds the same loss; the gradients add up
-        sum_across_processes(params, 0.0)
+    sum_across_processes(params, 0.0)  # data parallel: one loss everywhere, the gradients add up
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.prm_max_grad_norm).item()
     check_finite(f"iteration {iteration}, PRM step", loss=loss.item(), grad_norm=grad_norm)
     optimizer.step()

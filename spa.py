@@ -1019,7 +1019,8 @@ def main(args: Args) -> dict:
     errors = validate_args(args)
     # One process, or one of those `accelerate launch` started (gloo between CPU processes).
     dist = PartialState(cpu=args.device == "cpu")
-    errors += launch_errors(args, dist, os.path.basename(__file__))
+    also = " --progress-model <its run>/progress_model" if args.advantage == "spa" else ""
+    errors += launch_errors(args, dist, os.path.basename(__file__), also)
     if dist.num_processes > 1:
         if args.advantage == "spa" and args.progress_model is None and not args.resume:
             errors.append("exploration and the progress estimator's training run in one "

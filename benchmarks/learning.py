@@ -120,7 +120,7 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
                          f"{shlex.join(flags)!r}")
     now = resolved_args(script, config["command"])
     changed = [f"--{k.replace('_', '-')} {ran.get(k)!r} (now {now[k]!r})" for k in sorted(now)
-               if k != "resume" and json.dumps(now[k]) != json.dumps(ran.get(k))]
+               if k not in MACHINE and json.dumps(now[k]) != json.dumps(ran.get(k))]
     if changed:
         raise SystemExit(f"{run_path} ran with {', '.join(changed)}: {script} resolves the same "
                          "command differently today (a default changed since). Delete the run "
@@ -131,6 +131,10 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
             "eval_num_tasks": eval_num_tasks, "flags": flags, "command": config["command"],
             "minutes": seconds / 60, "evaluations": summary["evaluations"],
             "train_success": training_curve(run_path)}
+
+
+# Settings that depend on the machine or on a resume, not on the script's defaults.
+MACHINE = ("resume", "iterations", "device", "env_workers")
 
 
 def resolved_args(script: str, command: str) -> dict:

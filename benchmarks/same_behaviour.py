@@ -1,7 +1,9 @@
 """Does a refactor change what the scripts do? Runs every script with every estimator behind its
 --advantage for 2 tiny iterations at a fixed seed, and keeps what a run leaves that must not
-change: every logged scalar but the timings, and the bytes of every checkpoint file (adapters,
-heads, optimizer and random states). Save a fingerprint before the change, compare after it:
+change: every logged scalar but the timings, every evaluation, and the content of every
+checkpoint file (the adapters' bytes; optimizer, heads and random states entry by entry; not the
+model card, which names the run's path, nor the base model's directory, only its name). Save a
+fingerprint before the change, compare after it:
 
     git worktree add /tmp/before HEAD --detach
     python benchmarks/same_behaviour.py --repo /tmp/before --save /tmp/before.json

@@ -138,6 +138,8 @@ def in_range(value: float, rule: str) -> bool:
         below = value <= high if right == "]" else value < high
         return above and below
     op, bound = rule.split()[:2]
+    if op not in (">=", ">"):
+        raise ValueError(f"a range is '>= x', '> x' or 'in [x, y)', not {rule!r}")
     bound = _number(bound.rstrip(":"))
     return value >= bound if op == ">=" else value > bound
 
@@ -149,6 +151,8 @@ def errors(args, ranges: dict[str, str]) -> list[str]:
     import torch
 
     found = finite_errors(args)
+    if set(RANGES) & set(ranges):
+        raise ValueError(f"ranges of the harness given again: {sorted(set(RANGES) & set(ranges))}")
     for name, rule in {**RANGES, **ranges}.items():
         value = getattr(args, name)
         if value is not None and math.isfinite(value) and not in_range(value, rule):

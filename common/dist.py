@@ -15,8 +15,9 @@ from accelerate.utils import broadcast, gather_object, reduce
 from torch import Tensor
 
 
-def launch_errors(args, dist: PartialState, script: str) -> list[str]:
-    """What a data-parallel launch cannot do, one line each ([] with one process)."""
+def launch_errors(args, dist: PartialState, script: str, also: str = "") -> list[str]:
+    """What a data-parallel launch cannot do, one line each ([] with one process). `also`: more
+    flags the RL launch after behavior cloning takes."""
     if dist.num_processes == 1:
         return []
     errors = []
@@ -25,7 +26,8 @@ def launch_errors(args, dist: PartialState, script: str) -> list[str]:
                       f"of the {dist.num_processes} processes (whole groups per process)")
     if args.bc_epochs > 0 and not args.resume:
         errors.append(f"behavior cloning runs in one process: run `python {script} ... "
-                      "--iterations 0` once, then launch RL with --model <its run>/base_model")
+                      "--iterations 0` once, then launch RL with --model <its "
+                      f"run>/base_model{also}")
     if args.backend == "vllm":  # each engine would pick its GPU itself: untested, refused
         errors.append("--backend vllm runs in one process; with several, use --backend hf")
     per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", dist.num_processes))
@@ -78,17 +80,14 @@ def sum_across_processes(params: list[Tensor], loss: float) -> float:
 
 
 def mean_across_processes(stats: dict[str, list[float]]) -> dict[str, float]:
-    """The mean of each list over every process's entries (every process has the same keys)."""
+    """The mean of each list over every process's entries. A process may lack a key (no
+    micro-batch of its own in an update): the names are the union over processes."""
     dist = PartialState()
     if dist.num_processes == 1:
         return {k: float(np.mean(v)) for k, v in stats.items()}
-    names = sorted(stats)
-    sums = torch.tensor([[sum(stats[k]), len(stats[k])] for k in names], dtype=torch.float64,
-                        device=dist.device)
+    names = sorted({k for keys in gather_object([sorted(stats)]) for k in keys})
+    sums = torch.tensor([[sum(stats.get(k, [])), len(stats.get(k, []))] for k in names],
+                        dtype=torch.float64, device=dist.device)
     sums = reduce(sums, "sum")
     return {k: (sums[i, 0] / sums[i, 1]).item() for i, k in enumerate(names)}
 
-
-def total(value: float) -> float:
-    """The sum of a number over processes."""
-    return sum(gather_object([value]))

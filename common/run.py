@@ -1,10 +1,16 @@
 """A training run's directory and everything written to it: config.json (the command and every
-setting), TensorBoard logs (and Weights & Biases with --track), checkpoint/ (the LoRA adapter, a
-model card, trainer_state.pt with the optimizer and every process's random streams, for --resume)
-and summary.json (what benchmarks/ read). The main process alone writes; every process holds a Run.
+setting), TensorBoard logs (and Weights & Biases with --track), base_model/ (the start, when it
+exists nowhere else), checkpoint/ (the LoRA adapter, a model card, trainer_state.pt with the
+optimizer and every process's random streams, for --resume) and summary.json (what benchmarks/
+read). The main process alone writes, but every process holds a Run and calls each method:
+Run(), keep_base and save wait for the others (a call on one process only would hang).
 
-    run = Run(args, script="proxmo.py")   # names the run, or reads --resume's checkpoint
-    run.open()                            # after the model loaded: a bad flag leaves nothing
+    run = Run(args, "proxmo.py")           # names the run, or reads --resume's checkpoint
+    model, tokenizer = run.load_model()    # --model, or the start a resumed run kept
+    run.open()                             # only now a directory: a bad flag leaves nothing
+    base_model = run.keep_base(model, tokenizer)
+    if run.state is not None:              # --resume: the optimizer's state, then
+        run.restore_random_streams()       # every random stream where the run stopped
     run.log(stats, iteration)
     run.save(model, base_model, iteration, {"optimizer": ..., "iteration": ...})
     summary = run.finish(history)
@@ -60,7 +66,6 @@ def check_finite(where: str, **values: float) -> None:
         found = ", ".join(f"{k} {v}" for k, v in bad.items())
         raise FloatingPointError(f"{where}: non-finite {found}; stopped before the optimizer "
                                  "step, the weights are unchanged")
-
 
 
 class Run:

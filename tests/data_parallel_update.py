@@ -22,6 +22,7 @@ import torch
 from accelerate import PartialState
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.dist import mean_across_processes  # noqa: E402
 from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
 import istar  # noqa: E402
 import proxmo  # noqa: E402
@@ -123,6 +124,12 @@ def main(out: str, share_of_process_0: int, method: str) -> None:
             args = proxmo.Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2)
             stats = proxmo.policy_update(args, model, tokenizer, optimizer, samples, generator,
                                          1)
+    # A process without a micro-batch of its own in an update (3SPO's rounds) lacks some stats:
+    # the means are over the processes that have them.
+    uneven = {"loss": [1.0], "clip_fraction": [0.5]} if dist.process_index else {"loss": [3.0]}
+    means = mean_across_processes(uneven)
+    expected = {"loss": 2.0, "clip_fraction": 0.5} if dist.num_processes == 2 else {"loss": 3.0}
+    assert means == expected, means
     if dist.is_main_process:
         weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         if method == "spa":

@@ -437,3 +437,5 @@ def test_ranges_read_as_in_mathematics():
     assert in_range(0, ">= 0 (0 = the whole split)") and not in_range(-1, ">= 0 (0 = greedy)")
     assert not in_range(0, "> 0: a hint") and in_range(1e-9, "> 0")
     assert in_range(0.5, "in [0, 0.5]") and not in_range(0.51, "in [0, 0.5]")
+    with pytest.raises(ValueError, match="not '<= 10'"):  # never read as something else
+        in_range(5, "<= 10")

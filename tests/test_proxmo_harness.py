@@ -250,6 +250,14 @@ def test_every_script_carries_proxmos_harness_text(script):
     mine, theirs = sections(read(script)), sections(read("proxmo.py"))
     for title in ("5. Rollouts", "6. Behavior cloning on expert trajectories", "7. Evaluation"):
         assert mine[title] == theirs[title], title
+    if script in ("istar.py", "sspo.py"):  # the same PPO update as proxmo.py's
+        import importlib
+        import inspect
+
+        import proxmo
+
+        mine = inspect.getsource(importlib.import_module(script[:-3]).policy_update)
+        assert mine == inspect.getsource(proxmo.policy_update)
     for plumbing in ("def process_share", "def save_checkpoint", "def sum_across_processes",
                      "def build_prompt", "class Policy", "SummaryWriter("):
         assert plumbing not in read(script), plumbing
