@@ -79,7 +79,7 @@ from torch import Tensor
 import envs
 from common import UsageError, config
 from common.dist import (batch_offsets, launch_errors, mean_across_processes, process_share,
-                         same_start, sum_across_processes)
+                         same_start, start_processes, sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
@@ -932,7 +932,7 @@ def save_reward_models(path: str, sprm, head, hindsight, args: Args) -> None:
         if args.aux_full_params:
             torch.save(model.state_dict(), os.path.join(path, name, "model.pt"))
         else:
-            model.save_pretrained(os.path.join(path, name))
+            model.save_pretrained(os.path.join(path, name), save_embedding_layers=False)
     torch.save(head.state_dict(), os.path.join(path, "sprm", "head.pt"))
     with open(os.path.join(path, "reading.json"), "w") as f:
         json.dump({name: getattr(args, name) for name in READING}, f, indent=1)
@@ -1057,7 +1057,11 @@ class Args:
     run_dir: str = "runs"
     """where run directories are created"""
     resume: str | None = None
-    """a run directory to continue from its checkpoint; only --iterations, --device may differ"""
+    """a run directory to continue; only --iterations, --device, --process-timeout-* may differ"""
+    process_timeout_minutes: float = 120.0
+    """data parallel: how long a process waits for the others (torch's own for NCCL: 10)"""
+    deterministic: bool = True
+    """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
 
     # Reward: the method and the baseline it is compared against.
     advantage: Literal["hisr", "ppo"] = "hisr"
@@ -1208,6 +1212,8 @@ class Args:
     # vLLM
     vllm_gpu_memory_utilization: float = 0.35
     """share of GPU memory vLLM may take (the rest holds the trainer)"""
+    vllm_sleep: bool = False
+    """vLLM: its weights to host memory and its KV cache freed during each update (small GPUs)"""
 
 
 PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
@@ -1578,8 +1584,7 @@ def parse_args(argv: list[str]) -> Args:
 
 def main(args: Args) -> dict:
     errors = validate_args(args)
-    # One process, or one of those `accelerate launch` started (gloo between CPU processes).
-    dist = PartialState(cpu=args.device == "cpu")
+    dist = start_processes(args)  # one process, or one of those `accelerate launch` started
     also = " --reward-models <its run>/reward_models" if args.advantage == "hisr" else ""
     errors += launch_errors(args, dist, os.path.basename(__file__), also)
     if dist.num_processes > 1:
@@ -1593,7 +1598,7 @@ def main(args: Args) -> dict:
         raise UsageError("\n".join(errors))
     if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
         sys.stdout = open(os.devnull, "w")
-    seed_everything(args.seed)
+    seed_everything(args.seed, args.deterministic)
     run = Run(args, os.path.basename(__file__))  # --resume: its checkpoint, checked
     if args.resume and args.rl_data == "explore" and not os.path.isfile(run.file(COLLECTED_FILE)):
         raise UsageError(f"--resume {args.resume}: no {COLLECTED_FILE} in it (the collected "
@@ -1629,6 +1634,8 @@ def main(args: Args) -> dict:
     # then the LoRA adapter trained by RL.
     model, tokenizer = run.load_model(vocab)
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
+    if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     targets = args.lora_target_modules
     if targets != "all-linear":
@@ -1654,8 +1661,6 @@ def main(args: Args) -> dict:
     else:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
     model.print_trainable_parameters()
-    if args.gradient_checkpointing:  # non-reentrant: works with the frozen embeddings of LoRA
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # The critic: a value head on the policy's final hidden state, backbone and adapter shared.
     value_head = make_head(model.config.hidden_size, "linear", run.device)
     # Data parallel: every process starts from process 0's weights.
@@ -1666,7 +1671,7 @@ def main(args: Args) -> dict:
         engine = make_vllm_engine(base_model, max_lora_rank=args.lora_r,
                                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                  seed=args.seed)
+                                  seed=args.seed, sleep_mode=args.vllm_sleep)
     policy = Policy(args, model, tokenizer, engine)
 
     # Collection and the reward models (Eqs. 2-4), or those saved before. The new adapter is
@@ -1782,6 +1787,7 @@ def main(args: Args) -> dict:
                    for tr, adv, ret in zip(trajs, advantages, returns)
                    for s, a, g in zip(tr["steps"], adv, ret)]
         # (6) the clipped policy update (Eq. 9) with the critic's value loss.
+        policy.sleep()  # --vllm-sleep: the engine's memory to the update
         stats = policy_update(args, model, value_head, tokenizer, optimizer, samples, generator,
                               iteration)
         n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
@@ -1811,6 +1817,7 @@ def main(args: Args) -> dict:
         # (old_logprobs with values, ref_logprobs, sprm, hindsight), advantages and the update; the
         # main process's times.
         stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
+        stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
                         kl=stats["reward/step_kl_mean"], vf=stats["train/value_loss"],

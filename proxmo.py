@@ -48,7 +48,7 @@ from torch import Tensor
 import envs
 from common import UsageError, config
 from common.dist import (batch_offsets, launch_errors, mean_across_processes, process_share,
-                         same_start, sum_across_processes)
+                         same_start, start_processes, sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
@@ -326,7 +326,11 @@ class Args:
     run_dir: str = "runs"
     """where run directories are created"""
     resume: str | None = None
-    """a run directory to continue from its checkpoint; only --iterations, --device may differ"""
+    """a run directory to continue; only --iterations, --device, --process-timeout-* may differ"""
+    process_timeout_minutes: float = 120.0
+    """data parallel: how long a process waits for the others (torch's own for NCCL: 10)"""
+    deterministic: bool = True
+    """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
 
     # Advantage estimator: the method and the baselines it is compared against.
     advantage: Literal["proxmo", "grpo", "gigpo"] = "proxmo"
@@ -433,6 +437,8 @@ class Args:
     # vLLM
     vllm_gpu_memory_utilization: float = 0.35
     """share of GPU memory vLLM may take (the rest holds the trainer)"""
+    vllm_sleep: bool = False
+    """vLLM: its weights to host memory and its KV cache freed during each update (small GPUs)"""
 
 
 PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
@@ -762,8 +768,7 @@ def parse_args(argv: list[str]) -> Args:
 
 def main(args: Args) -> dict:
     errors = validate_args(args)
-    # One process, or one of those `accelerate launch` started (gloo between CPU processes).
-    dist = PartialState(cpu=args.device == "cpu")
+    dist = start_processes(args)  # one process, or one of those `accelerate launch` started
     errors += launch_errors(args, dist, os.path.basename(__file__))
     if errors:
         raise UsageError("\n".join(errors))
@@ -772,7 +777,7 @@ def main(args: Args) -> dict:
     if args.group_size == 1:
         print("warning: --group-size 1: every episode advantage is 0 (a group of one has no "
               "baseline); only step advantages remain", file=sys.stderr)
-    seed_everything(args.seed)
+    seed_everything(args.seed, args.deterministic)
     run = Run(args, os.path.basename(__file__))  # --resume: its checkpoint, checked
     train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
     if args.tasks_per_iteration > len(train_tasks):
@@ -787,6 +792,8 @@ def main(args: Args) -> dict:
     # then the LoRA adapter trained by RL.
     model, tokenizer = run.load_model(vocab)
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
+    if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     targets = args.lora_target_modules
     if targets != "all-linear":
@@ -810,8 +817,6 @@ def main(args: Args) -> dict:
     else:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
     model.print_trainable_parameters()
-    if args.gradient_checkpointing:  # non-reentrant: works with the frozen embeddings of LoRA
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     same_start(list(model.parameters()), args.seed)  # data parallel: process 0's weights
 
     engine = None
@@ -819,7 +824,7 @@ def main(args: Args) -> dict:
         engine = make_vllm_engine(base_model, max_lora_rank=args.lora_r,
                                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                  seed=args.seed)
+                                  seed=args.seed, sleep_mode=args.vllm_sleep)
     policy = Policy(args, model, tokenizer, engine)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -875,6 +880,7 @@ def main(args: Args) -> dict:
         samples = [(s["prompt"], s["response_ids"], float(a), s["logprobs"])
                    for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
         # (5, 6) old / reference log-probs and the clipped policy-gradient update.
+        policy.sleep()  # --vllm-sleep: the engine's memory to the update
         stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
         n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
         abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
@@ -891,6 +897,7 @@ def main(args: Args) -> dict:
         # Where the iteration's time went: prompts, generation, env, advantages (the policy
         # update added old_logprobs, ref_logprobs and update); the main process's times.
         stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
+        stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
                         kl=stats.get("train/kl_ref", float("nan")),

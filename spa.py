@@ -69,7 +69,7 @@ from torch import Tensor
 import envs
 from common import UsageError, config
 from common.dist import (batch_offsets, launch_errors, mean_across_processes, process_share,
-                         same_start, sum_across_processes)
+                         same_start, start_processes, sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
@@ -416,7 +416,7 @@ def score_progress(args: Args, pe, head, tokenizer, trajs: list[dict]) -> int:
 def save_progress_estimator(path: str, pe, head, base_model: str) -> None:
     """The PE's LoRA adapter (its config naming the start model it was trained on) and head."""
     pe.peft_config["default"].base_model_name_or_path = base_model
-    pe.save_pretrained(path)
+    pe.save_pretrained(path, save_embedding_layers=False)  # no hub lookup
     torch.save(head.state_dict(), os.path.join(path, "head.pt"))
 
 
@@ -518,7 +518,11 @@ class Args:
     run_dir: str = "runs"
     """where run directories are created"""
     resume: str | None = None
-    """a run directory to continue from its checkpoint; only --iterations, --device may differ"""
+    """a run directory to continue; only --iterations, --device, --process-timeout-* may differ"""
+    process_timeout_minutes: float = 120.0
+    """data parallel: how long a process waits for the others (torch's own for NCCL: 10)"""
+    deterministic: bool = True
+    """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
 
     # Reward: the method and the baseline it is compared against.
     advantage: Literal["spa", "ppo"] = "spa"
@@ -651,6 +655,8 @@ class Args:
     # vLLM
     vllm_gpu_memory_utilization: float = 0.35
     """share of GPU memory vLLM may take (the rest holds the trainer)"""
+    vllm_sleep: bool = False
+    """vLLM: its weights to host memory and its KV cache freed during each update (small GPUs)"""
 
 
 PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
@@ -1017,8 +1023,7 @@ def parse_args(argv: list[str]) -> Args:
 
 def main(args: Args) -> dict:
     errors = validate_args(args)
-    # One process, or one of those `accelerate launch` started (gloo between CPU processes).
-    dist = PartialState(cpu=args.device == "cpu")
+    dist = start_processes(args)  # one process, or one of those `accelerate launch` started
     also = " --progress-model <its run>/progress_model" if args.advantage == "spa" else ""
     errors += launch_errors(args, dist, os.path.basename(__file__), also)
     if dist.num_processes > 1:
@@ -1033,7 +1038,7 @@ def main(args: Args) -> dict:
         raise UsageError("\n".join(errors))
     if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
         sys.stdout = open(os.devnull, "w")
-    seed_everything(args.seed)
+    seed_everything(args.seed, args.deterministic)
     run = Run(args, os.path.basename(__file__))  # --resume: its checkpoint, checked
     if args.resume and args.rl_data == "explore" and not os.path.isfile(run.file(EXPLORE_FILE)):
         raise UsageError(f"--resume {args.resume}: no {EXPLORE_FILE} in it (the exploration "
@@ -1066,6 +1071,8 @@ def main(args: Args) -> dict:
     # then the LoRA adapter trained by RL.
     model, tokenizer = run.load_model(vocab)
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
+    if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     targets = args.lora_target_modules
     if targets != "all-linear":
@@ -1091,8 +1098,6 @@ def main(args: Args) -> dict:
     else:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
     model.print_trainable_parameters()
-    if args.gradient_checkpointing:  # non-reentrant: works with the frozen embeddings of LoRA
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # The critic: a value head on the policy's final hidden state, backbone and adapter shared.
     value_head = make_head(model.config.hidden_size, "linear", run.device)
     # Data parallel: every process starts from process 0's weights.
@@ -1103,7 +1108,7 @@ def main(args: Args) -> dict:
         engine = make_vllm_engine(base_model, max_lora_rank=args.lora_r,
                                   gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                  seed=args.seed)
+                                  seed=args.seed, sleep_mode=args.vllm_sleep)
     policy = Policy(args, model, tokenizer, engine)
 
     # Exploration and the progress estimator (Eqs. 5-7), or the one saved before. The new adapter
@@ -1209,6 +1214,7 @@ def main(args: Args) -> dict:
                    for tr, adv, ret in zip(trajs, advantages, returns)
                    for s, a, g in zip(tr["steps"], adv, ret)]
         # (5) the clipped policy update with the critic's value loss (Eq. 10).
+        policy.sleep()  # --vllm-sleep: the engine's memory to the update
         stats = policy_update(args, model, value_head, tokenizer, optimizer, samples, generator,
                               iteration)
         n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
@@ -1245,6 +1251,7 @@ def main(args: Args) -> dict:
         # (old_logprobs with values, ref_logprobs, progress), advantages and the update; the
         # main process's times.
         stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
+        stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
                         kl=stats["reward/step_kl_mean"], vf=stats["train/value_loss"],

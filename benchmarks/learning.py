@@ -134,7 +134,8 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
 
 
 # Settings that depend on the machine or on a resume, not on the script's defaults.
-MACHINE = ("resume", "iterations", "device", "env_workers")
+MACHINE = ("resume", "iterations", "device", "env_workers", "process_timeout_minutes",
+           "deterministic")
 
 
 def resolved_args(script: str, command: str) -> dict:

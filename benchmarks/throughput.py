@@ -58,9 +58,10 @@ ITERATION_PARTS = ("prompts", "generation", "env", "advantages", "old_logprobs",
                    "update")
 
 
-def load_model(name: str, dtype: torch.dtype, device: str, layers: int | None):
+def load_model(name: str, dtype: torch.dtype, device: str, layers: int | None,
+               vocab_size: int = 151936):
     """(model, vocabulary size). shape:NAME builds random weights of that Qwen2.5 size (with
-    `layers` decoder layers if given)."""
+    `layers` decoder layers if given, and `vocab_size` rows of embedding: Qwen2.5's by default)."""
     if name.startswith("shape:"):
         from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -69,7 +70,7 @@ def load_model(name: str, dtype: torch.dtype, device: str, layers: int | None):
             raise UsageError(f"--model {name}: known shapes are "
                              + ", ".join(f"shape:{s}" for s in QWEN25_SHAPES))
         hidden, mlp, n_layers, heads, kv_heads, tied = QWEN25_SHAPES[size]
-        config = Qwen2Config(vocab_size=151936, hidden_size=hidden, intermediate_size=mlp,
+        config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=mlp,
                              num_hidden_layers=layers or n_layers, num_attention_heads=heads,
                              num_key_value_heads=kv_heads, tie_word_embeddings=tied,
                              max_position_embeddings=32768)

@@ -20,7 +20,7 @@ from dataclasses import asdict, fields, replace
 import envs
 from common import UsageError
 
-OVERRIDABLE = ("iterations", "device")  # what --resume may change
+OVERRIDABLE = ("iterations", "device", "process_timeout_minutes")  # what --resume may change
 
 
 def preset_args(Args, presets: dict, model: str = "tiny", env: str = "household",
@@ -56,7 +56,7 @@ def finite_errors(args) -> list[str]:
 def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None = None):
     """Command line -> Args. Defaults are the presets of the --model, --env and --advantage given;
     with --resume, the run's saved configuration, which flags on the command line may not
-    contradict (only --iterations and --device may change, with a printed note). old_defaults:
+    contradict (only OVERRIDABLE settings may change, with a printed note). old_defaults:
     the values of settings a saved configuration lacks (it was written before they existed)."""
     import tyro
 
@@ -119,8 +119,9 @@ RANGES = {
     "bc_prompt_loss_weight": ">= 0", "bc_learning_rate": "> 0", "bc_batch_size": ">= 1",
     "eval_every": ">= 1", "eval_num_tasks": ">= 0 (0 = the whole split)",
     "eval_temperature": ">= 0 (0 = greedy)", "save_every": ">= 1",
-    "vllm_gpu_memory_utilization": "in (0, 1]",
+    "vllm_gpu_memory_utilization": "in (0, 1]", "process_timeout_minutes": "> 0",
 }
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py, MaxLoRARanks
 
 
 def _number(text: str) -> float:
@@ -169,5 +170,9 @@ def errors(args, ranges: dict[str, str]) -> list[str]:
          f"--eval-splits must be among {', '.join(envs.SPLITS[a.env])} for --env {a.env}"),
         (a.backend != "vllm" or a.device.startswith("cuda"),
          "--backend vllm needs a CUDA GPU; use --backend hf or hf-cb on CPU"),
+        (not a.vllm_sleep or a.backend == "vllm", "--vllm-sleep is for --backend vllm"),
+        (a.backend != "vllm" or a.lora_r in VLLM_LORA_RANKS,
+         f"--lora-r {a.lora_r}: vLLM serves LoRA ranks {', '.join(map(str, VLLM_LORA_RANKS))} "
+         "only; pick one of them, or --backend hf"),
     ]
     return found + [message for ok, message in rules if not ok]

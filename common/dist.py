@@ -7,12 +7,23 @@ optimizer step. `python <script>.py` is one process, and nothing here communicat
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import numpy as np
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast, gather_object, reduce
 from torch import Tensor
+
+
+def start_processes(args) -> PartialState:
+    """This process's PartialState: the only process, or one of those `accelerate launch`
+    started (gloo between CPU processes, NCCL between GPUs). A collective waits up to
+    --process-timeout-minutes for the slowest process: torch's own limit for NCCL, 10 minutes,
+    is shorter than one process's share of a long evaluation can take. Only the first
+    PartialState of a process sets this; call it before any other."""
+    return PartialState(cpu=args.device == "cpu",
+                        timeout=timedelta(minutes=args.process_timeout_minutes))
 
 
 def launch_errors(args, dist: PartialState, script: str, also: str = "") -> list[str]:

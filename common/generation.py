@@ -11,6 +11,7 @@ any other logits processor would make the rollout policy differ from the one bei
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import threading
@@ -19,7 +20,7 @@ import torch
 from accelerate import PartialState
 
 from common import UsageError
-from common.model import eos_token_ids, pad_prompt_response
+from common.model import eos_token_ids, pad_prompt_response, response_logprobs
 
 
 def sampling_config(*, temperature: float, top_p: float, max_new_tokens: int, eos_ids: list[int],
@@ -360,36 +361,55 @@ class ContinuousBatching:
 
 
 def make_vllm_engine(model_path: str, *, max_lora_rank: int, gpu_memory_utilization: float,
-                     max_model_len: int, seed: int):
+                     max_model_len: int, seed: int, sleep_mode: bool = False):
     """A vLLM engine over the base weights at `model_path` with LoRA enabled. generation_config=
-    "vllm" keeps the checkpoint's sampling defaults out, as in hf_generate."""
+    "vllm" keeps the checkpoint's sampling defaults out, as in hf_generate; processed log-probs
+    are those of softmax(logits / temperature), the distribution a token was drawn from.
+
+    vLLM refuses to start unless gpu_memory_utilization x the GPU's memory is free, and its
+    engine runs in a process of its own: what this process's allocator keeps cached (behavior
+    cloning's activations) is handed back to the GPU first. sleep_mode: Policy.sleep can free
+    the engine's memory between rollouts (level 1: the weights, the LoRA slots with them, go to
+    host memory; the KV cache is dropped)."""
     try:
         from vllm import LLM
     except ImportError as e:
         raise UsageError("--backend vllm needs vLLM on a CUDA machine: pip install -r "
                          f"requirements.txt -r requirements-gpu.txt ({e})") from e
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return LLM(model=model_path, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-               seed=seed, enable_prefix_caching=True, generation_config="vllm")
+               seed=seed, enable_prefix_caching=True, generation_config="vllm",
+               logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
 
 
 def vllm_generate(engine, prompts: list[list[int]], *, adapter_path: str, adapter_version: int,
                   eos_ids: list[int], max_new_tokens: int, temperature: float,
-                  top_p: float = 1.0) -> list[list[int]]:
-    """Same contract as hf_generate. `adapter_version` must change whenever the adapter on disk
-    changes: vLLM caches adapters by id."""
+                  top_p: float = 1.0, return_logprobs: bool = False):
+    """Same contract as hf_generate (with return_logprobs: the log-prob vLLM sampled each token
+    with, logprobs=0 asking for the sampled token's alone). `adapter_version` must change whenever
+    the adapter on disk changes: vLLM caches adapters by id."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
+    _check_recordable(return_logprobs, temperature, top_p)
     params = SamplingParams(temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
                             top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
                             frequency_penalty=0.0, max_tokens=max_new_tokens,
-                            stop_token_ids=eos_ids)
+                            stop_token_ids=eos_ids, detokenize=False,
+                            logprobs=0 if return_logprobs else None)
     request = LoRARequest(f"policy-{adapter_version}", adapter_version, adapter_path)
     outs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                            lora_request=request, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    responses = [list(o.outputs[0].token_ids) for o in outs]
+    if not return_logprobs:
+        return responses
+    logprobs = [[step[token].logprob for token, step in zip(c.token_ids, c.logprobs)]
+                for c in (o.outputs[0] for o in outs)]
+    return responses, logprobs
 
 
 class Policy:
@@ -400,6 +420,8 @@ class Policy:
         self.args, self.model, self.tokenizer, self.engine = args, model, tokenizer, engine
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.adapter_path, self.adapter_version = "", 0
+        self.measure_gap, self.gaps = False, []  # vLLM's log-probs against the trainer's
+        self.asleep = False
         self.batcher = None
         if args.backend == "hf-cb":  # its engines (one per sampling setting) live for the run
             self.batcher = ContinuousBatching(
@@ -414,25 +436,31 @@ class Policy:
         if self.engine is not None:
             self.adapter_version += 1
             self.adapter_path = os.path.join(run_path, "vllm_adapter")
-            if PartialState().is_main_process:
-                self.model.save_pretrained(self.adapter_path)
+            if PartialState().is_main_process:  # no hub lookup of the base model
+                self.model.save_pretrained(self.adapter_path, save_embedding_layers=False)
             PartialState().wait_for_everyone()
+            self.measure_gap = True
 
     def generate(self, prompts: list[list[int]], temperature: float,
                  top_p: float = 1.0) -> tuple[list[list[int]], list | None]:
-        """(responses, log-probs of their tokens or None). Sampling with hf or hf-cb and
-        without top-p (every training rollout) records the log-probs the tokens were drawn with:
-        PPO's old log-probs without another forward pass. vLLM's (bf16, other kernels) would
-        differ from the trainer's: None, and the update scores the responses itself, as veRL
-        does."""
+        """(responses, log-probs of their tokens or None). Sampling without top-p (every training
+        rollout) records the log-probs the tokens were drawn with: PPO's old log-probs without
+        another forward pass. vLLM's come from other kernels (bf16), so after each sync the first
+        call also scores its first micro-batch with the trainer: stats() reports the gap."""
         a = self.args
-        if self.engine is not None:
-            responses = vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
-                                      adapter_version=self.adapter_version, eos_ids=self.eos_ids,
-                                      max_new_tokens=a.max_new_tokens, temperature=temperature,
-                                      top_p=top_p)
-            return responses, None
         record = temperature > 0 and top_p == 1
+        if self.engine is not None:
+            self.wake_up()
+            out = vllm_generate(self.engine, prompts, adapter_path=self.adapter_path,
+                                adapter_version=self.adapter_version, eos_ids=self.eos_ids,
+                                max_new_tokens=a.max_new_tokens, temperature=temperature,
+                                top_p=top_p, return_logprobs=record)
+            if not record:
+                return out, None
+            if self.measure_gap:
+                self.gaps.append(self.logprob_gap(prompts, *out, temperature))
+                self.measure_gap = False
+            return out
         if self.batcher is not None:
             out = self.batcher.generate(prompts, temperature=temperature, top_p=top_p,
                                         return_logprobs=record)
@@ -442,3 +470,41 @@ class Policy:
                           temperature=temperature, top_p=top_p,
                           batch_size=max(a.micro_batch_size, 64), return_logprobs=record)
         return out if record else (out, None)
+
+    def sleep(self) -> None:
+        """With --vllm-sleep, free the engine's GPU memory for the update; generate wakes it."""
+        if self.engine is not None and self.args.vllm_sleep and not self.asleep:
+            self.engine.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:  # what the update left in this process's cache goes back first
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.engine.wake_up()
+            self.asleep = False
+
+    def logprob_gap(self, prompts: list[list[int]], responses: list[list[int]],
+                    logprobs: list[list[float]], temperature: float) -> float:
+        """Mean |log pi_trainer - log pi_sampler| over the response tokens of the first
+        micro-batch: 0 up to rounding when the sampler is the trainer's model. PPO's ratio starts
+        at exp of this difference; a gap of 0.05 or more wants an importance correction."""
+        n = self.args.micro_batch_size
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            trainer, _, _ = response_logprobs(self.model, prompts[:n], responses[:n],
+                                              self.tokenizer.pad_token_id,
+                                              temperature=temperature)
+        self.model.train(was_training)
+        gaps = [abs(t - s) for row, sampled in zip(trainer.tolist(), logprobs[:n])
+                for t, s in zip(row, sampled)]
+        return sum(gaps) / max(len(gaps), 1)
+
+    def stats(self) -> dict:
+        """What the backend measured since the last call: vLLM's log-prob gap ({} otherwise)."""
+        if not self.gaps:
+            return {}
+        gap, self.gaps = sum(self.gaps) / len(self.gaps), []
+        return {"rollout/sampler_logprob_gap": gap}

@@ -36,12 +36,14 @@ from common import UsageError
 from common.model import load_model_and_tokenizer, resolve_model_name
 
 
-def seed_everything(seed: int) -> None:
-    """Seeds python, numpy and torch; asks torch for deterministic kernels where it has them."""
+def seed_everything(seed: int, deterministic: bool = True) -> None:
+    """Seeds python, numpy and torch; with `deterministic`, asks torch for deterministic kernels
+    where it has them (and a warning where not). On CPU that costs nothing measurable; on CUDA it
+    takes slower scatter/index kernels (benchmarks/gpu_check.py measures it)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 
 def random_streams() -> dict:
@@ -177,7 +179,7 @@ class Run:
             for name, adapter in [("", model), *(adapters or {}).items()]:
                 if adapter is not None:
                     adapter.peft_config["default"].base_model_name_or_path = base_model
-                    adapter.save_pretrained(os.path.join(path, name))
+                    adapter.save_pretrained(os.path.join(path, name), save_embedding_layers=False)
             with open(os.path.join(path, "README.md"), "w") as f:  # PEFT's is empty
                 f.write(f"""---
 base_model: {base_model}

@@ -439,3 +439,35 @@ def test_ranges_read_as_in_mathematics():
     assert in_range(0.5, "in [0, 0.5]") and not in_range(0.51, "in [0, 0.5]")
     with pytest.raises(ValueError, match="not '<= 10'"):  # never read as something else
         in_range(5, "<= 10")
+
+
+def test_vllm_lora_ranks_are_checked_before_any_work():
+    """vLLM serves only the ranks of its MaxLoRARanks: another --lora-r with --backend vllm is a
+    usage error at once (not a pydantic error after loading and behavior cloning)."""
+    from dataclasses import replace
+
+    import proxmo
+    from common.config import errors
+
+    def lora_errors(**changes):
+        return [e for e in errors(replace(proxmo.preset_args(), **changes), {}) if "--lora-r" in e]
+
+    assert lora_errors(backend="vllm", lora_r=16) == []
+    assert lora_errors(backend="hf", lora_r=4) == []
+    assert lora_errors(backend="vllm", lora_r=4) == [
+        "--lora-r 4: vLLM serves LoRA ranks 1, 8, 16, 32, 64, 128, 256, 320, 512 only; pick one "
+        "of them, or --backend hf"]
+
+
+def test_processes_wait_for_each_other_as_long_as_the_flag_says(monkeypatch):
+    """The process group is created with --process-timeout-minutes (torch's NCCL default is 10
+    minutes, shorter than one process's share of a long evaluation), gloo on CPU."""
+    import datetime
+
+    import common.dist
+    import proxmo
+
+    made = []
+    monkeypatch.setattr(common.dist, "PartialState", lambda **kwargs: made.append(kwargs))
+    common.dist.start_processes(proxmo.preset_args())
+    assert made == [{"cpu": True, "timeout": datetime.timedelta(hours=2)}]

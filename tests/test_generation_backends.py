@@ -165,25 +165,44 @@ class StandInEngine:
         self.live_policies = live_policies
         self.adapters: dict[int, dict] = {}
         self.calls: list[dict] = []
+        self.shift = 0.0  # added to every log-prob it reports: a sampler that differs
+        self.asleep, self.sleeps = False, 0  # vLLM's sleep mode (level 1)
+
+    def sleep(self, level):
+        assert level == 1 and not self.asleep
+        self.asleep, self.sleeps = True, self.sleeps + 1
+
+    def wake_up(self):
+        assert self.asleep
+        self.asleep = False
 
     def generate(self, prompts, params, lora_request, use_tqdm=False):
+        assert not self.asleep, "generate on a sleeping engine"
         policy = self.live_policies[-1]
         if lora_request.lora_int_id not in self.adapters:
             path = os.path.join(lora_request.lora_path, "adapter_model.safetensors")
             self.adapters[lora_request.lora_int_id] = load_file(path)
         loaded = self.adapters[lora_request.lora_int_id]
-        live = get_peft_model_state_dict(policy.model)
+        live = get_peft_model_state_dict(policy.model, save_embedding_layers=False)
         self.calls.append({
             "name": lora_request.lora_name, "id": lora_request.lora_int_id,
             "current": loaded.keys() == live.keys()
             and all(torch.equal(loaded[k], live[k].cpu()) for k in live),
             "fingerprint": float(sum(v.double().abs().sum() for v in live.values()))})
+        record = params.logprobs == 0  # vLLM: the sampled token's log-prob alone
         replies = hf_generate(policy.model, [p.prompt_token_ids for p in prompts],
                               pad_id=policy.tokenizer.pad_token_id,
                               eos_ids=params.stop_token_ids, max_new_tokens=params.max_tokens,
-                              temperature=params.temperature, top_p=params.top_p)
-        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=r)])
-                for r in replies]
+                              temperature=params.temperature, top_p=params.top_p,
+                              return_logprobs=record)
+        if not record:
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=r)])
+                    for r in replies]
+        # vLLM's shape: per token a dict token id -> Logprob, the sampled token always in it.
+        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
+            token_ids=r, logprobs=[{t: types.SimpleNamespace(logprob=x + self.shift)}
+                                   for t, x in zip(r, lp)])])
+            for r, lp in zip(*replies)]
 
 
 def install_stand_in_vllm(monkeypatch):
@@ -210,11 +229,13 @@ EXTRA = {"spa": dict(explore_num_tasks=4, explore_rollouts=2, rl_data="online"),
          "proxmo": {}, "istar": dict(max_episode_steps=12, group_size=4)}  # wins give pairs
 
 
-def run_with_stand_in_vllm(script: str, monkeypatch, tmp_path, learning_rate=None):
+def run_with_stand_in_vllm(script: str, monkeypatch, tmp_path, learning_rate=None,
+                           engine=None, **changes):
     module = importlib.import_module(script)
     install_stand_in_vllm(monkeypatch)
     live: list = []
-    engine = StandInEngine(live)
+    engine = engine or StandInEngine(live)
+    engine.live_policies = live
     init = module.Policy.__init__
 
     def recording_init(self, *args, **kwargs):
@@ -228,7 +249,7 @@ def run_with_stand_in_vllm(script: str, monkeypatch, tmp_path, learning_rate=Non
                         lambda a: [e for e in validate(a) if "needs a CUDA GPU" not in e])
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "no_alfworld"))
     args = replace(module.preset_args(), backend="vllm", device="cpu", run_dir=str(tmp_path),
-                   **{**SMALL, **EXTRA[script]})
+                   **{**SMALL, **EXTRA[script], **changes})
     if learning_rate is not None:
         args = replace(args, learning_rate=learning_rate)
     module.main(args)
@@ -265,3 +286,64 @@ def test_the_stand_in_catches_an_adapter_that_never_reaches_the_engine(monkeypat
     calls = run_with_stand_in_vllm("proxmo", monkeypatch, tmp_path, learning_rate=5e-3)
     assert {c["id"] for c in calls} == {1}
     assert not all(c["current"] for c in calls)
+
+
+def test_vllm_log_probs_are_recorded_and_their_gap_to_the_trainer_measured(policy, tmp_path,
+                                                                          monkeypatch):
+    """With --backend vllm a training rollout's log-probs are vLLM's (logprobs=0, processed):
+    the update skips its own pass. After each sync the first call scores one micro-batch with
+    the trainer: the gap is ~0 for a sampler that is the trainer, and 0.25 for one whose every
+    log-prob is 0.25 off. The adapter is saved without asking the hub about its base model."""
+    import peft.utils.save_and_load
+
+    from common.generation import Policy
+
+    model, tok, prompts = policy
+    install_stand_in_vllm(monkeypatch)
+    asked = []
+    monkeypatch.setattr(peft.utils.save_and_load, "check_file_exists_on_hf_hub",
+                        lambda *a, **k: asked.append(a))
+    model.peft_config["default"].base_model_name_or_path = "Qwen/Qwen2.5-1.5B-Instruct"
+    args = types.SimpleNamespace(backend="vllm", max_new_tokens=6, max_prompt_tokens=256,
+                                 micro_batch_size=4)
+    live: list = []
+    engine = StandInEngine(live)
+    vllm_policy = Policy(args, model, tok, engine)
+    live.append(vllm_policy)
+    torch.manual_seed(0)
+    vllm_policy.sync(str(tmp_path))
+    responses, logprobs = vllm_policy.generate(prompts[:6], temperature=1.0)
+    assert [len(r) for r in responses] == [len(lp) for lp in logprobs]
+    trainer = response_logprobs(model, prompts[:6], responses, tok.pad_token_id)[0]
+    for i, lp in enumerate(logprobs):
+        assert torch.allclose(trainer[i, :len(lp)], torch.tensor(lp), atol=1e-4)
+    vllm_policy.generate(prompts[:6], temperature=1.0)  # no sync: nothing measured
+    assert len(vllm_policy.gaps) == 1
+    assert vllm_policy.stats()["rollout/sampler_logprob_gap"] < 1e-4
+    assert vllm_policy.stats() == {}
+    engine.shift = 0.25
+    vllm_policy.sync(str(tmp_path))
+    assert vllm_policy.generate(prompts[:6], temperature=0.4, top_p=0.9)[1] is None
+    vllm_policy.generate(prompts[:6], temperature=1.0)
+    assert abs(vllm_policy.stats()["rollout/sampler_logprob_gap"] - 0.25) < 1e-4
+    assert asked == []
+
+
+def test_vllm_sleeps_through_every_update_and_wakes_to_generate(monkeypatch, tmp_path):
+    """--vllm-sleep: the engine sleeps (level 1) before each policy update and is woken before
+    it generates again; a run samples and learns as without it."""
+    import proxmo
+
+    engine = StandInEngine([])
+    updates = []
+    update = proxmo.policy_update
+
+    def checked_update(*args, **kwargs):
+        updates.append(engine.asleep)
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(proxmo, "policy_update", checked_update)
+    calls = run_with_stand_in_vllm("proxmo", monkeypatch, tmp_path, engine=engine,
+                                   vllm_sleep=True, iterations=2)
+    assert updates == [True, True] and engine.sleeps == 2
+    assert calls and all(c["current"] for c in calls)
