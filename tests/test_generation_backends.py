@@ -243,13 +243,20 @@ def run_with_stand_in_vllm(script: str, monkeypatch, tmp_path, learning_rate=Non
         live.append(self)
 
     monkeypatch.setattr(module.Policy, "__init__", recording_init)
+    update = module.policy_update
+
+    def update_while_asleep(*args, **kwargs):  # --vllm-sleep: the engine sleeps in every update
+        assert engine.asleep, "a policy update while the engine holds its memory"
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(module, "policy_update", update_while_asleep)
     monkeypatch.setattr(module, "make_vllm_engine", lambda *args, **kwargs: engine)
     validate = module.validate_args  # the stand-in runs on CPU
     monkeypatch.setattr(module, "validate_args",
                         lambda a: [e for e in validate(a) if "needs a CUDA GPU" not in e])
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "no_alfworld"))
     args = replace(module.preset_args(), backend="vllm", device="cpu", run_dir=str(tmp_path),
-                   **{**SMALL, **EXTRA[script], **changes})
+                   vllm_sleep=True, **{**SMALL, **EXTRA[script], **changes})
     if learning_rate is not None:
         args = replace(args, learning_rate=learning_rate)
     module.main(args)
@@ -260,8 +267,12 @@ def run_with_stand_in_vllm(script: str, monkeypatch, tmp_path, learning_rate=Non
 def test_every_vllm_rollout_samples_with_the_latest_weights(script, monkeypatch, tmp_path):
     """Every engine call (rollouts, searches, evaluations) names an adapter whose weights, as
     vLLM would load them, are the policy's at that moment; the updates did change them, and each
-    change came under a version id not used before."""
-    calls = run_with_stand_in_vllm(script, monkeypatch, tmp_path, learning_rate=5e-3)
+    change came under a version id not used before. With --vllm-sleep the engine sleeps through
+    every policy update and is never asked to generate asleep."""
+    engine = StandInEngine([])
+    calls = run_with_stand_in_vllm(script, monkeypatch, tmp_path, learning_rate=5e-3,
+                                   engine=engine)
+    assert engine.sleeps >= 1
     assert calls and all(c["current"] for c in calls), [c for c in calls if not c["current"]]
     weights_per_id: dict[int, set] = {}
     for c in calls:
@@ -327,23 +338,3 @@ def test_vllm_log_probs_are_recorded_and_their_gap_to_the_trainer_measured(polic
     vllm_policy.generate(prompts[:6], temperature=1.0)
     assert abs(vllm_policy.stats()["rollout/sampler_logprob_gap"] - 0.25) < 1e-4
     assert asked == []
-
-
-def test_vllm_sleeps_through_every_update_and_wakes_to_generate(monkeypatch, tmp_path):
-    """--vllm-sleep: the engine sleeps (level 1) before each policy update and is woken before
-    it generates again; a run samples and learns as without it."""
-    import proxmo
-
-    engine = StandInEngine([])
-    updates = []
-    update = proxmo.policy_update
-
-    def checked_update(*args, **kwargs):
-        updates.append(engine.asleep)
-        return update(*args, **kwargs)
-
-    monkeypatch.setattr(proxmo, "policy_update", checked_update)
-    calls = run_with_stand_in_vllm("proxmo", monkeypatch, tmp_path, engine=engine,
-                                   vllm_sleep=True, iterations=2)
-    assert updates == [True, True] and engine.sleeps == 2
-    assert calls and all(c["current"] for c in calls)
