@@ -892,7 +892,8 @@ def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict
         t["seg_ids"] = trajectory_segments(args, t)
     replies = [tokenizer.batch_decode([s["response_ids"] for s in t["steps"]],
                                       skip_special_tokens=True) for t in collected]
-    kept = [keep_for_training(t, r, args.collect_filter == "loops")
+    loops = args.collect_filter == "loops"
+    kept = [args.collect_filter == "none" or keep_for_training(t, r, loops)
             for t, r in zip(collected, replies)]
     tasks_train, heldout = split_heldout(collected, args.aux_heldout,
                                          random.Random(args.seed + 3))
@@ -1102,8 +1103,8 @@ class Args:
     """N, rollouts per collected task"""
     collect_temperature: float = 0.7
     """sampling temperature of the collection rollouts (the paper's)"""
-    collect_filter: Literal["well-formed", "loops"] = "well-formed"
-    """the reward models' data: well-formed replies only, or also no 3-turn loops"""
+    collect_filter: Literal["well-formed", "loops", "none"] = "well-formed"
+    """the reward models' data: well-formed replies only, also no 3-turn loops, or all of it"""
     rl_data: Literal["online", "explore"] = "online"
     """online: fresh rollouts every iteration; explore: one pass over the collection"""
     reward_models: str | None = None

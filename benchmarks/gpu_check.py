@@ -44,9 +44,12 @@ SCRIPTS = ("proxmo.py", "spa.py", "istar.py", "hisr.py", "sspo.py")
 SMALL = ["--iterations", "2", "--tasks-per-iteration", "2", "--group-size", "4",
          "--max-episode-steps", "3", "--eval-num-tasks", "2", "--eval-every", "2",
          "--save-every", "1", "--bc-epochs", "1", "--bc-num-tasks", "2"]
+# spa.py: 2 iterations of 2 x 4 exploration rollouts; hisr.py: random weights never reply in
+# the format the collection filter asks for.
 EXTRA = {"proxmo.py": [], "istar.py": [], "sspo.py": ["--max-rollouts", "3"],
-         "spa.py": ["--explore-num-tasks", "2", "--explore-rollouts", "2"],
-         "hisr.py": ["--collect-num-tasks", "2", "--collect-rollouts", "2"]}
+         "spa.py": ["--explore-num-tasks", "4", "--explore-rollouts", "4"],
+         "hisr.py": ["--collect-num-tasks", "4", "--collect-rollouts", "2", "--collect-filter",
+                     "none"]}
 PARTS = ("generation", "env", "old_logprobs", "ref_logprobs", "update")
 
 

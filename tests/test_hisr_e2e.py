@@ -84,7 +84,8 @@ def test_ppo_baseline_trains_no_reward_models(tmp_path):
     assert "rl 1/1" in out.stdout
 
 
-@pytest.mark.parametrize("ablation", [["--no-use-hindsight", "--segmenter", "turns"],
+@pytest.mark.parametrize("ablation", [["--no-use-hindsight", "--segmenter", "turns",
+                                       "--reasoning", "--collect-filter", "none"],
                                       ["--no-aux-full-params", "--him-placement", "uniform",
                                        "--him-scale", "unit", "--grounding-form", "eq8",
                                        "--collect-filter", "loops",
@@ -94,9 +95,12 @@ def test_ablations_run(tmp_path, ablation):
     assert "rl 1/1" in out.stdout
     (run_path,) = glob.glob(str(tmp_path / "*"))
     logged = scalars(run_path)
-    if "turns" in ablation:  # one segment per turn
+    # One segment per turn. The tiny model never reasons, so no reply is well formed under
+    # --reasoning: the default filter would keep none, --collect-filter none keeps all.
+    if "turns" in ablation:
         assert logged.Scalars("credit/segments_per_trajectory")[0].value == pytest.approx(
             logged.Scalars("rollout/episode_length")[0].value)
+        assert logged.Scalars("collect/kept_share")[0].value == 1.0
     else:
         assert os.path.isfile(os.path.join(run_path, "reward_models", "hindsight",
                                            "adapter_config.json"))
