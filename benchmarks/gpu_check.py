@@ -56,9 +56,9 @@ PARTS = ("generation", "env", "old_logprobs", "ref_logprobs", "update")
 def build_model(path: str, shape: str, layers: int, vocab_size: int | None) -> int:
     """Random weights of a Qwen2.5 shape saved at `path` with the tiny model's tokenizer;
     returns the parameter count. vocab_size None: the tokenizer's."""
-    from common.model import TINY_CHECKPOINT, _load_tokenizer
+    from common.model import load_model_and_tokenizer
 
-    tokenizer = _load_tokenizer(TINY_CHECKPOINT)
+    _, tokenizer = load_model_and_tokenizer("tiny")
     model, _ = load_model(f"shape:{shape}", torch.float32, "cpu", layers,
                           vocab_size or len(tokenizer))
     model.config.eos_token_id = tokenizer.eos_token_id
@@ -101,11 +101,17 @@ class PeakMemory:
         return self.peak
 
 
-def run_script(label: str, command: list[str], device: str, log_dir: str,
+def slug(label: str) -> str:
+    """A run's label as a file or directory name."""
+    return label.replace(" ", "_").replace("/", "")
+
+
+def run_script(label: str, command: list[str], runs_dir: str, device: str, log_dir: str,
                timeout: float) -> dict:
-    """Run one command; its row: passed, seconds of its last iteration by part, peak memory."""
+    """Run one command whose run directory is the only one in `runs_dir`; its row: passed,
+    seconds of its last iteration by part, peak memory."""
     print(f"[{time.strftime('%H:%M:%S')}] {label}", file=sys.stderr, flush=True)
-    log_file = os.path.join(log_dir, label.replace(" ", "_").replace("/", "") + ".log")
+    log_file = os.path.join(log_dir, slug(label) + ".log")
     began = time.time()
     with open(log_file, "w") as log:
         process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -118,10 +124,8 @@ def run_script(label: str, command: list[str], device: str, log_dir: str,
         peak = memory.stop()
     row = {"label": label, "passed": code == 0, "wall": time.time() - began, "peak": peak,
            "log": log_file}
-    run_dir = command[command.index("--resume") + 1] if "--resume" in command else None
-    if run_dir is None:
-        found = glob.glob(os.path.join(command[command.index("--run-dir") + 1], "*"))
-        run_dir = found[0] if len(found) == 1 else None
+    found = glob.glob(os.path.join(runs_dir, "*"))
+    run_dir = found[0] if len(found) == 1 else None
     if code == 0 and run_dir:
         row["run_dir"] = run_dir
         for part in ("iteration", "rollout", *PARTS):
@@ -211,30 +215,27 @@ def main(argv: list[str]) -> str:
                 raise SystemExit(f"benchmarks/throughput.py failed:\n{result.stderr[-2000:]}")
             lines += [result.stdout.strip(), ""]
 
-    def command(script: str, backend: str, label: str, *more: str) -> list[str]:
-        run_dir = os.path.join(out, "runs", label.replace(" ", "_").replace("/", ""))
-        return [sys.executable, os.path.join(ROOT, script), "--model", model_dir, "--device",
-                args.device, "--backend", backend, "--max-new-tokens", str(new_tokens),
-                "--run-dir", run_dir, *SMALL, *EXTRA[script], *more]
+    def run(script: str, backend: str, label: str, *more: str) -> dict:
+        runs_dir = os.path.join(out, "runs", slug(label))
+        command = [sys.executable, os.path.join(ROOT, script), "--model", model_dir, "--device",
+                   args.device, "--backend", backend, "--max-new-tokens", str(new_tokens),
+                   "--run-dir", runs_dir, *SMALL, *EXTRA[script], *more]
+        return run_script(label, command, runs_dir, args.device, os.path.join(out, "logs"),
+                          args.timeout)
 
-    rows = []
-    for script in args.scripts:
-        for backend in backends:
-            label = f"{script} {backend}"
-            rows.append(run_script(label, command(script, backend, label), args.device,
-                                   os.path.join(out, "logs"), args.timeout))
+    rows = [run(script, backend, f"{script} {backend}")
+            for script in args.scripts for backend in backends]
     first = rows[0] if rows else None
     if first and first["label"].startswith("proxmo.py") and first.get("run_dir"):
         resume = [sys.executable, os.path.join(ROOT, "proxmo.py"), "--resume",
                   first["run_dir"], "--iterations", "3"]
-        rows.append(run_script(f"{first['label']} --resume (iteration 3)", resume, args.device,
+        rows.append(run_script(f"{first['label']} --resume (iteration 3)", resume,
+                               os.path.dirname(first["run_dir"]), args.device,
                                os.path.join(out, "logs"), args.timeout))
         if on_gpu:  # on CPU torch's deterministic kernels cost nothing measurable
-            label = f"{first['label']} --no-deterministic"
             backend = first["label"].split()[1]
-            rows.append(run_script(label, command("proxmo.py", backend, label,
-                                                  "--no-deterministic"),
-                                   args.device, os.path.join(out, "logs"), args.timeout))
+            rows.append(run("proxmo.py", backend, f"{first['label']} --no-deterministic",
+                            "--no-deterministic"))
     lines += table(rows, "GPU" if on_gpu else "RSS")
     lines += ["", f"Logs of every run: {os.path.join(out, 'logs')}"]
     text = "\n".join(lines)

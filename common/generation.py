@@ -360,6 +360,14 @@ class ContinuousBatching:
         self.managers.clear()
 
 
+def release_cached_memory() -> None:
+    """Hand the GPU memory this process's allocator keeps cached back to the device, for vLLM's
+    engine (a process of its own) to take."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def make_vllm_engine(model_path: str, *, max_lora_rank: int, gpu_memory_utilization: float,
                      max_model_len: int, seed: int, sleep_mode: bool = False):
     """A vLLM engine over the base weights at `model_path` with LoRA enabled. generation_config=
@@ -376,9 +384,7 @@ def make_vllm_engine(model_path: str, *, max_lora_rank: int, gpu_memory_utilizat
     except ImportError as e:
         raise UsageError("--backend vllm needs vLLM on a CUDA machine: pip install -r "
                          f"requirements.txt -r requirements-gpu.txt ({e})") from e
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_cached_memory()
     return LLM(model=model_path, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                seed=seed, enable_prefix_caching=True, generation_config="vllm",
@@ -479,9 +485,7 @@ class Policy:
 
     def wake_up(self) -> None:
         if self.asleep:  # what the update left in this process's cache goes back first
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_cached_memory()
             self.engine.wake_up()
             self.asleep = False
 
