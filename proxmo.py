@@ -54,7 +54,7 @@ from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, seed_everything
+from common.run import Run, check_finite, seed_everything, timer, timings
 from envs.text import PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
 
 
@@ -457,8 +457,8 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 
 # ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
-            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
-            seconds: dict | None = None) -> list[dict]:
+            temperature: float, top_p: float = 1.0,
+            expert_rng: random.Random | None = None) -> list[dict]:
     """Play one game per task in lock-step until all finish.
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
@@ -471,8 +471,7 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
     from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
     "label"}]}.
-    seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
-    seconds = defaultdict(float) if seconds is None else seconds
+    Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
                             workers=args.env_workers) for t in tasks]
@@ -482,13 +481,12 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
     while batch.active():
         active = batch.active()
-        start = time.perf_counter()
-        admissible = [games[i].admissible_actions() for i in active]
-        prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
-                                 batch.observations[i], admissible[k], len(trajs[i]["steps"]) + 1)
-                   for k, i in enumerate(active)]
-        seconds["prompts"] += time.perf_counter() - start
-        start = time.perf_counter()
+        with timer("prompts"):
+            admissible = [games[i].admissible_actions() for i in active]
+            prompts = [encode_prompt(args, tokenizer, games[i].task_description,
+                                     trajs[i]["history"], batch.observations[i], admissible[k],
+                                     len(trajs[i]["steps"]) + 1)
+                       for k, i in enumerate(active)]
         if expert:
             responses = logprobs = [None] * len(active)
             # An expert that gave up (label None) only looks around; BC skips those steps.
@@ -497,7 +495,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                         if label is not None else "look" for i, label in zip(active, labels)]
             well_formed = has_action = [True] * len(active)
         else:
-            responses, logprobs = policy.generate(prompts, temperature, top_p)
+            with timer("generation"):
+                responses, logprobs = policy.generate(prompts, temperature, top_p)
             logprobs = logprobs or [None] * len(active)
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
             parsed = [parse_action(t) for t in texts]
@@ -506,11 +505,9 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             labels = [None] * len(active)
             has_action = [p is not None for p in parsed]
             well_formed = [is_well_formed(t, args.reasoning) for t in texts]
-        seconds["generation"] += time.perf_counter() - start
         states = {i: batch.observations[i] for i in active}
-        start = time.perf_counter()
-        results = batch.step(dict(zip(active, commands)))
-        seconds["env"] += time.perf_counter() - start
+        with timer("env"):
+            results = batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
             obs, reward, done, info = results[i]
             tr = trajs[i]
@@ -693,18 +690,15 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
         return out
 
     model.eval()  # no dropout when scoring the rollout policy
-    began = time.perf_counter()
-    if all(s[3] is not None for s in samples):
-        old_logp = [torch.tensor(s[3]) for s in samples]
-    else:
-        old_logp = logprobs_no_grad(False)
-    seconds = {"old_logprobs": time.perf_counter() - began}
+    with timer("old_logprobs"):
+        if all(s[3] is not None for s in samples):
+            old_logp = [torch.tensor(s[3]) for s in samples]
+        else:
+            old_logp = logprobs_no_grad(False)
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
-    began = time.perf_counter()
-    ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
-    seconds["ref_logprobs"] = time.perf_counter() - began
+    with timer("ref_logprobs"):
+        ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
     model.train()
-    began = time.perf_counter()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
     for epoch in range(args.ppo_epochs):
@@ -744,11 +738,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
             stats["loss"].append(minibatch_loss)
             stats["grad_norm"].append(grad_norm)
             optimizer.step()
-    seconds["update"] = time.perf_counter() - began
     means = mean_across_processes(stats)  # every process's micro-batches
-    out = {f"train/{k}": v for k, v in means.items()}
-    out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
-    return out
+    return {f"train/{k}": v for k, v in means.items()}
 
 
 def validate_args(args: Args) -> list[str]:
@@ -859,29 +850,28 @@ def main(args: Args) -> dict:
         run_eval(0)
     for iteration in range(start_iteration + 1, args.iterations + 1):
         t0 = time.time()
+        timings()  # the clocks restart: evaluations and set-up are not the iteration's
         # (1) B tasks x N copies, (2) lock-step rollouts, (3) 0/1 outcomes.
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         policy.sync(run.path)
         my_groups = process_share(len(batch_tasks), dist.process_index, dist.num_processes)
         tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
         groups = [g for g in my_groups for _ in range(args.group_size)]
-        seconds = defaultdict(float)
-        trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
-                        seconds=seconds)
+        trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
         rollout_seconds = time.time() - t0
         # (4) advantages, one scalar per step, computed over the whole batch (ProxMO fits its
         # TF-IDF on every anchor text of the batch); each process keeps those of its trajectories.
-        start = time.perf_counter()
-        batch = gather_object([summarize(t) for t in trajs])
-        first = my_groups.start * args.group_size
-        batch_advantages = compute_advantages(args, batch)
-        advantages = batch_advantages[first:first + len(trajs)]
-        seconds["advantages"] = time.perf_counter() - start
+        with timer("advantages"):
+            batch = gather_object([summarize(t) for t in trajs])
+            first = my_groups.start * args.group_size
+            batch_advantages = compute_advantages(args, batch)
+            advantages = batch_advantages[first:first + len(trajs)]
         samples = [(s["prompt"], s["response_ids"], float(a), s["logprobs"])
                    for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
         # (5, 6) old / reference log-probs and the clipped policy-gradient update.
         policy.sleep()  # --vllm-sleep: the engine's memory to the update
-        stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
+        with timer("update"):  # less the scoring passes, timed inside it
+            stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
         n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
         abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
         steps = [s for tr in batch for s in tr["steps"]]
@@ -896,7 +886,7 @@ def main(args: Args) -> dict:
                       "train/advantage_abs_mean": float(np.mean(abs_advantages))})
         # Where the iteration's time went: prompts, generation, env, advantages (the policy
         # update added old_logprobs, ref_logprobs and update); the main process's times.
-        stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
+        stats.update(timings())
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],

@@ -75,7 +75,7 @@ from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, seed_everything
+from common.run import Run, check_finite, seed_everything, timer, timings
 from envs.text import PROMPT_INTRO, PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
 
 
@@ -681,8 +681,8 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 
 # ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
-            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
-            seconds: dict | None = None) -> list[dict]:
+            temperature: float, top_p: float = 1.0,
+            expert_rng: random.Random | None = None) -> list[dict]:
     """Play one game per task in lock-step until all finish.
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
@@ -695,8 +695,7 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
     from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
     "label"}]}.
-    seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
-    seconds = defaultdict(float) if seconds is None else seconds
+    Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
                             workers=args.env_workers) for t in tasks]
@@ -706,13 +705,12 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
     while batch.active():
         active = batch.active()
-        start = time.perf_counter()
-        admissible = [games[i].admissible_actions() for i in active]
-        prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
-                                 batch.observations[i], admissible[k], len(trajs[i]["steps"]) + 1)
-                   for k, i in enumerate(active)]
-        seconds["prompts"] += time.perf_counter() - start
-        start = time.perf_counter()
+        with timer("prompts"):
+            admissible = [games[i].admissible_actions() for i in active]
+            prompts = [encode_prompt(args, tokenizer, games[i].task_description,
+                                     trajs[i]["history"], batch.observations[i], admissible[k],
+                                     len(trajs[i]["steps"]) + 1)
+                       for k, i in enumerate(active)]
         if expert:
             responses = logprobs = [None] * len(active)
             # An expert that gave up (label None) only looks around; BC skips those steps.
@@ -721,7 +719,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                         if label is not None else "look" for i, label in zip(active, labels)]
             well_formed = has_action = [True] * len(active)
         else:
-            responses, logprobs = policy.generate(prompts, temperature, top_p)
+            with timer("generation"):
+                responses, logprobs = policy.generate(prompts, temperature, top_p)
             logprobs = logprobs or [None] * len(active)
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
             parsed = [parse_action(t) for t in texts]
@@ -730,11 +729,9 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             labels = [None] * len(active)
             has_action = [p is not None for p in parsed]
             well_formed = [is_well_formed(t, args.reasoning) for t in texts]
-        seconds["generation"] += time.perf_counter() - start
         states = {i: batch.observations[i] for i in active}
-        start = time.perf_counter()
-        results = batch.step(dict(zip(active, commands)))
-        seconds["env"] += time.perf_counter() - start
+        with timer("env"):
+            results = batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
             obs, reward, done, info = results[i]
             tr = trajs[i]
@@ -889,18 +886,16 @@ def summarize(traj: dict) -> dict:
     return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
 
 
-def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) -> dict:
+def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) -> None:
     """The scoring passes before the advantages, no gradient: the current policy's log-probs of
     every reply ("old_logprobs", the ratio's denominator) and V(s_t) ("value") in one pass, then
     the reference's (adapter disabled) for "step_kl" = sum over the reply's tokens of log pi_old -
-    log pi_ref. Written into each step; returns the seconds of each pass."""
+    log pi_ref. Written into each step; each pass timed under its name."""
     steps = [s for tr in trajs for s in tr["steps"]]
     lengths = [len(s["prompt"]) + len(s["response_ids"]) for s in steps]
     pad, temperature = tokenizer.pad_token_id, args.rollout_temperature
-    seconds = {}
     model.eval()  # no dropout when scoring the rollout policy
-    began = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), timer("old_logprobs"):
         for idx in length_sorted_chunks(list(range(len(steps))), lengths, args.micro_batch_size):
             logp, _, _, values = policy_forward(model, value_head,
                                                 [steps[i]["prompt"] for i in idx],
@@ -909,8 +904,7 @@ def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) 
             for row, value, i in zip(logp.cpu(), values.tolist(), idx):
                 steps[i]["old_logprobs"] = row[:len(steps[i]["response_ids"])]
                 steps[i]["value"] = value
-        seconds["old_logprobs"] = time.perf_counter() - began
-        began = time.perf_counter()
+    with torch.no_grad(), timer("ref_logprobs"):
         for s in steps:
             s["step_kl"] = 0.0
         if args.kl_coef > 0:  # without a KL term the reference pass is skipped
@@ -924,8 +918,6 @@ def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) 
                 for row, i in zip(ref.cpu(), idx):
                     old = steps[i]["old_logprobs"]
                     steps[i]["step_kl"] = (old - row[:len(old)]).sum().item()
-        seconds["ref_logprobs"] = time.perf_counter() - began
-    return seconds
 
 
 def policy_update(args: Args, model, value_head, tokenizer, optimizer, samples: list[tuple],
@@ -946,7 +938,6 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer, samples: 
     device = next(model.parameters()).device
     lengths = [len(s[0]) + len(s[1]) for s in samples]
     model.train()
-    began = time.perf_counter()
     params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
     stats = defaultdict(list)
     for epoch in range(args.ppo_epochs):
@@ -990,11 +981,8 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer, samples: 
             stats["loss"].append(minibatch_loss)
             stats["grad_norm"].append(grad_norm)
             optimizer.step()
-    seconds = {"update": time.perf_counter() - began}
     means = mean_across_processes(stats)  # every process's micro-batches
-    out = {f"train/{k}": v for k, v in means.items()}
-    out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
-    return out
+    return {f"train/{k}": v for k, v in means.items()}
 
 
 def validate_args(args: Args) -> list[str]:
@@ -1180,7 +1168,7 @@ def main(args: Args) -> dict:
         run_eval(0)
     for iteration in range(start_iteration + 1, args.iterations + 1):
         t0 = time.time()
-        seconds = defaultdict(float)
+        timings()  # the clocks restart: evaluations and set-up are not the iteration's
         my_groups = process_share(args.tasks_per_iteration, dist.process_index,
                                   dist.num_processes)
         if args.rl_data == "explore":  # the next batch of exploration rollouts, in order
@@ -1190,33 +1178,31 @@ def main(args: Args) -> dict:
             policy.sync(run.path)
             tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
             groups = [g for g in my_groups for _ in range(args.group_size)]
-            trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
-                            seconds=seconds)
+            trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
         rollout_seconds = time.time() - t0
         # (3) old log-probs and values, the reference's step KL, contributions c_t (Eq. 5).
-        seconds.update(score_rollouts(args, model, value_head, tokenizer, trajs))
+        score_rollouts(args, model, value_head, tokenizer, trajs)
         too_long = 0
         if pe is not None:
-            start = time.perf_counter()
-            too_long = score_progress(args, pe, pe_head, tokenizer, trajs)
-            seconds["progress"] = time.perf_counter() - start
+            with timer("progress"):
+                too_long = score_progress(args, pe, pe_head, tokenizer, trajs)
         # (4) fused rewards (Eq. 8) and GAE over the whole batch (whitened over all of it); each
         # process keeps the advantages and returns of its trajectories.
-        start = time.perf_counter()
-        batch = gather_object([summarize(t) for t in trajs])
-        first = my_groups.start * args.group_size
-        batch_advantages, batch_returns = compute_advantages(args, batch)
-        advantages = batch_advantages[first:first + len(trajs)]
-        returns = batch_returns[first:first + len(trajs)]
-        seconds["advantages"] = time.perf_counter() - start
+        with timer("advantages"):
+            batch = gather_object([summarize(t) for t in trajs])
+            first = my_groups.start * args.group_size
+            batch_advantages, batch_returns = compute_advantages(args, batch)
+            advantages = batch_advantages[first:first + len(trajs)]
+            returns = batch_returns[first:first + len(trajs)]
         samples = [(s["prompt"], s["response_ids"], float(a), float(g), s["old_logprobs"],
                     s["value"])
                    for tr, adv, ret in zip(trajs, advantages, returns)
                    for s, a, g in zip(tr["steps"], adv, ret)]
         # (5) the clipped policy update with the critic's value loss (Eq. 10).
         policy.sleep()  # --vllm-sleep: the engine's memory to the update
-        stats = policy_update(args, model, value_head, tokenizer, optimizer, samples, generator,
-                              iteration)
+        with timer("update"):
+            stats = policy_update(args, model, value_head, tokenizer, optimizer, samples,
+                                  generator, iteration)
         n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
         abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
         steps = [s for tr in batch for s in tr["steps"]]
@@ -1250,7 +1236,7 @@ def main(args: Args) -> dict:
         # Where the iteration's time went: prompts, generation, env, the scoring passes
         # (old_logprobs with values, ref_logprobs, progress), advantages and the update; the
         # main process's times.
-        stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
+        stats.update(timings())
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],

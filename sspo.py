@@ -86,7 +86,7 @@ from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, seed_everything
+from common.run import Run, check_finite, seed_everything, timer, timings
 from envs.text import PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
 
 
@@ -304,8 +304,8 @@ def search_active(args: Args, search: dict) -> bool:
     return within and (bool(search["frontier"]) or not args.backtracking)
 
 
-def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], table: StateTable,
-                 seconds: dict) -> tuple[list[tuple], list[tuple], list[dict]]:
+def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict],
+                 table: StateTable) -> tuple[list[tuple], list[tuple], list[dict]]:
     """One synchronous round of Algorithm 1 over the active searches. Each pops its newest node
     and gets n = ceil(K_max S) actions (Eq. 3), sampled for all searches in one call. Each action
     is played from a restored copy of the node's state and rewarded from the table as it is
@@ -319,7 +319,6 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
     round; one record per popped node, for
     the log. The table is only read."""
     finished, records, expansions = [], [], []
-    start = time.perf_counter()
     for index, search in enumerate(searches):
         if not search_active(args, search):
             continue
@@ -336,40 +335,39 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict], ta
         if n == 0:  # the score reached zero: this path ends here, lost, cut (no game end)
             finished.append((index, node["keys"], False, None))
             continue
-        prompt = encode_prompt(args, tokenizer, search["game"].task_description, node["history"],
-                               node["obs"], node["admissible"], len(node["history"]) + 1)
+        with timer("prompts"):
+            prompt = encode_prompt(args, tokenizer, search["game"].task_description,
+                                   node["history"], node["obs"], node["admissible"],
+                                   len(node["history"]) + 1)
         expansions.append((index, node, n, prompt, records[-1]))
         search["generations"] += n
-    seconds["prompts"] += time.perf_counter() - start
     if not expansions:
         return [], finished, records
-    start = time.perf_counter()
     prompts = [prompt for _, _, n, prompt, _ in expansions for _ in range(n)]
-    responses, logprobs = policy.generate(prompts, args.rollout_temperature)
+    with timer("generation"):
+        responses, logprobs = policy.generate(prompts, args.rollout_temperature)
     logprobs = logprobs or [None] * len(prompts)
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    seconds["generation"] += time.perf_counter() - start
     samples, first = [], 0
     for index, node, n, prompt, record in expansions:
         search, rows = searches[index], range(first, first + n)
         first += n
         key, game = node["keys"][-1], search["game"]
-        start = time.perf_counter()
         children = []
-        for row in rows:
-            parsed = parse_action(texts[row])
-            # No <action> tag: the env gets the reply's tail, which is never admissible.
-            command = parsed if parsed is not None else texts[row][-30:]
-            game.restore(node["snapshot"])
-            obs, _, done, info = game.step(command)
-            child_key = key if obs == NOTHING_HAPPENS else state_key(
-                str(search["task"]), obs, args.share_states_across_tasks)
-            children.append({"obs": obs, "command": command, "key": child_key, "done": done,
-                             "won": bool(info["won"]), "valid": bool(info["valid"]),
-                             "well_formed": is_well_formed(texts[row], args.reasoning),
-                             "snapshot": None if done else game.snapshot(),
-                             "admissible": None if done else game.admissible_actions()})
-        seconds["env"] += time.perf_counter() - start
+        with timer("env"):
+            for row in rows:
+                parsed = parse_action(texts[row])
+                # No <action> tag: the env gets the reply's tail, which is never admissible.
+                command = parsed if parsed is not None else texts[row][-30:]
+                game.restore(node["snapshot"])
+                obs, _, done, info = game.step(command)
+                child_key = key if obs == NOTHING_HAPPENS else state_key(
+                    str(search["task"]), obs, args.share_states_across_tasks)
+                children.append({"obs": obs, "command": command, "key": child_key, "done": done,
+                                 "won": bool(info["won"]), "valid": bool(info["valid"]),
+                                 "well_formed": is_well_formed(texts[row], args.reasoning),
+                                 "snapshot": None if done else game.snapshot(),
+                                 "admissible": None if done else game.admissible_actions()})
         rewards = transition_rewards(  # Eq. 2, every score from the round's table
             table.counts, key, [c["key"] for c in children], [c["won"] for c in children],
             [c["well_formed"] for c in children], table.t, args.score_alpha, args.fail_threshold,
@@ -654,8 +652,8 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 
 # ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
-            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
-            seconds: dict | None = None) -> list[dict]:
+            temperature: float, top_p: float = 1.0,
+            expert_rng: random.Random | None = None) -> list[dict]:
     """Play one game per task in lock-step until all finish.
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
@@ -668,8 +666,7 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
     from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
     "label"}]}.
-    seconds, if given, accumulates the time spent on "prompts", "generation" and "env" steps."""
-    seconds = defaultdict(float) if seconds is None else seconds
+    Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
                             workers=args.env_workers) for t in tasks]
@@ -679,13 +676,12 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
     while batch.active():
         active = batch.active()
-        start = time.perf_counter()
-        admissible = [games[i].admissible_actions() for i in active]
-        prompts = [encode_prompt(args, tokenizer, games[i].task_description, trajs[i]["history"],
-                                 batch.observations[i], admissible[k], len(trajs[i]["steps"]) + 1)
-                   for k, i in enumerate(active)]
-        seconds["prompts"] += time.perf_counter() - start
-        start = time.perf_counter()
+        with timer("prompts"):
+            admissible = [games[i].admissible_actions() for i in active]
+            prompts = [encode_prompt(args, tokenizer, games[i].task_description,
+                                     trajs[i]["history"], batch.observations[i], admissible[k],
+                                     len(trajs[i]["steps"]) + 1)
+                       for k, i in enumerate(active)]
         if expert:
             responses = logprobs = [None] * len(active)
             # An expert that gave up (label None) only looks around; BC skips those steps.
@@ -694,7 +690,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                         if label is not None else "look" for i, label in zip(active, labels)]
             well_formed = has_action = [True] * len(active)
         else:
-            responses, logprobs = policy.generate(prompts, temperature, top_p)
+            with timer("generation"):
+                responses, logprobs = policy.generate(prompts, temperature, top_p)
             logprobs = logprobs or [None] * len(active)
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
             parsed = [parse_action(t) for t in texts]
@@ -703,11 +700,9 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             labels = [None] * len(active)
             has_action = [p is not None for p in parsed]
             well_formed = [is_well_formed(t, args.reasoning) for t in texts]
-        seconds["generation"] += time.perf_counter() - start
         states = {i: batch.observations[i] for i in active}
-        start = time.perf_counter()
-        results = batch.step(dict(zip(active, commands)))
-        seconds["env"] += time.perf_counter() - start
+        with timer("env"):
+            results = batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
             obs, reward, done, info = results[i]
             tr = trajs[i]
@@ -890,18 +885,15 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
         return out
 
     model.eval()  # no dropout when scoring the rollout policy
-    began = time.perf_counter()
-    if all(s[3] is not None for s in samples):
-        old_logp = [torch.tensor(s[3]) for s in samples]
-    else:
-        old_logp = logprobs_no_grad(False)
-    seconds = {"old_logprobs": time.perf_counter() - began}
+    with timer("old_logprobs"):
+        if all(s[3] is not None for s in samples):
+            old_logp = [torch.tensor(s[3]) for s in samples]
+        else:
+            old_logp = logprobs_no_grad(False)
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
-    began = time.perf_counter()
-    ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
-    seconds["ref_logprobs"] = time.perf_counter() - began
+    with timer("ref_logprobs"):
+        ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
     model.train()
-    began = time.perf_counter()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
     for epoch in range(args.ppo_epochs):
@@ -941,15 +933,12 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
             stats["loss"].append(minibatch_loss)
             stats["grad_norm"].append(grad_norm)
             optimizer.step()
-    seconds["update"] = time.perf_counter() - began
     means = mean_across_processes(stats)  # every process's micro-batches
-    out = {f"train/{k}": v for k, v in means.items()}
-    out.update({f"time/{k}_seconds": v for k, v in seconds.items()})
-    return out
+    return {f"train/{k}": v for k, v in means.items()}
 
 
 def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, tasks: list,
-                     table: StateTable, iteration: int, seconds: dict, run_path: str,
+                     table: StateTable, iteration: int, run_path: str,
                      generator: torch.Generator) -> dict:
     """One 3SPO iteration: the searches of this process's tasks, in rounds until every search
     of every process has stopped. After each round: one policy update on the round's groups of
@@ -960,15 +949,18 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
     searches = [new_search(args, task) for task in tasks]
     tracked_before = len(table.counts)
     records, finished_all, update_stats = [], [], defaultdict(list)
-    rounds = 0
+    rounds, update_seconds = 0, 0.0
     while any(gather_object([any(search_active(args, s) for s in searches)])):
-        samples, finished, round_records = search_round(args, tokenizer, policy, searches, table,
-                                                        seconds)
+        samples, finished, round_records = search_round(args, tokenizer, policy, searches,
+                                                        table)
         rounds += 1
         if sum(gather_object([len(samples)])):
             policy.sleep()  # --vllm-sleep: the engine's memory to the update
-            stats = policy_update(args, model, tokenizer, optimizer, samples, generator,
-                                  iteration)
+            updating = time.perf_counter()
+            with timer("update"):  # less the scoring passes, timed inside it
+                stats = policy_update(args, model, tokenizer, optimizer, samples, generator,
+                                      iteration)
+            update_seconds += time.perf_counter() - updating
             policy.sync(run_path)  # vLLM samples the next round with the updated adapter
             for name, value in stats.items():
                 update_stats[name].append(value)
@@ -990,11 +982,7 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
     # Sampled states with a finished path through them: at an unvisited one w = 0.5, and Eq.
     # 2's score difference weighs nothing.
     visited_share = float(np.mean([r["visited"] for r in expanded])) if expanded else 0.0
-    # A policy update's seconds add up over the rounds; its losses and ratios are averaged.
-    out = {name: float(np.sum(v) if name.startswith("time/") else np.mean(v))
-           for name, v in update_stats.items()}
-    update_seconds = sum(out.get(f"time/{k}_seconds", 0.0)
-                         for k in ("old_logprobs", "ref_logprobs", "update"))
+    out = {name: float(np.mean(v)) for name, v in update_stats.items()}  # over the updates
     out.update(score_difference_stats(trained, hopeless))
     out.update({
         "rollout/success": float(np.mean(wins)) if wins else 0.0,
@@ -1152,36 +1140,35 @@ def main(args: Args) -> dict:
         run_eval(0)
     for iteration in range(start_iteration + 1, args.iterations + 1):
         t0 = time.time()
+        timings()  # the clocks restart: evaluations and set-up are not the iteration's
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         policy.sync(run.path)
         my_groups = process_share(len(batch_tasks), dist.process_index, dist.num_processes)
-        seconds = defaultdict(float)
         if args.advantage == "sspo":
             # (1) a ranked search over each task, round by round, (2) a policy update after every
             # round (Eq. 4), (3) the round's finished paths into the counters (Eq. 1).
             stats = search_and_learn(args, tokenizer, policy, model, optimizer,
                                      [batch_tasks[g] for g in my_groups], table, iteration,
-                                     seconds, run.path, generator)
+                                     run.path, generator)
         else:
             # (1) B tasks x N copies, (2) lock-step rollouts, (3) 0/1 outcomes.
             tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
             groups = [g for g in my_groups for _ in range(args.group_size)]
-            trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
-                            seconds=seconds)
+            trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
             rollout_seconds = time.time() - t0
             # (4) GRPO advantages over the whole batch; each process keeps its trajectories'.
-            start = time.perf_counter()
-            batch = gather_object([summarize(t) for t in trajs])
-            first = my_groups.start * args.group_size
-            batch_advantages = compute_advantages(args, batch)
-            advantages = batch_advantages[first:first + len(trajs)]
-            seconds["advantages"] = time.perf_counter() - start
+            with timer("advantages"):
+                batch = gather_object([summarize(t) for t in trajs])
+                first = my_groups.start * args.group_size
+                batch_advantages = compute_advantages(args, batch)
+                advantages = batch_advantages[first:first + len(trajs)]
             samples = [(s["prompt"], s["response_ids"], float(a), s["logprobs"])
                        for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
             # (5, 6) old / reference log-probs and the clipped policy-gradient update.
             policy.sleep()  # --vllm-sleep: the engine's memory to the update
-            stats = policy_update(args, model, tokenizer, optimizer, samples, generator,
-                                  iteration)
+            with timer("update"):  # less the scoring passes, timed inside it
+                stats = policy_update(args, model, tokenizer, optimizer, samples, generator,
+                                      iteration)
             n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
             abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
             steps = [s for tr in batch for s in tr["steps"]]
@@ -1197,7 +1184,7 @@ def main(args: Args) -> dict:
         stats["time/iteration_seconds"] = time.time() - t0
         # Where the iteration's time went: prompts, generation, env, advantages (the policy
         # update added old_logprobs, ref_logprobs and update); the main process's times.
-        stats.update({f"time/{name}_seconds": value for name, value in seconds.items()})
+        stats.update(timings())
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],

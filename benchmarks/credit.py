@@ -443,7 +443,7 @@ def sspo_search(batch: Batch, reading: str = "new") -> tuple[sspo.Args, sspo.Sta
             searches = [sspo.new_search(args, task) for task in tasks]
             while any(sspo.search_active(args, search) for search in searches):
                 _, finished, _ = sspo.search_round(args, batch.tokenizer, policy, searches,
-                                                   table, defaultdict(float))
+                                                   table)
                 for index, keys, won, _ in finished:
                     searches[index]["paths"] += 1
                     sspo.update_counters(table.counts, keys, won)

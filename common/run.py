@@ -14,10 +14,14 @@ Run(), keep_base and save wait for the others (a call on one process only would 
     run.log(stats, iteration)
     run.save(model, base_model, iteration, {"optimizer": ..., "iteration": ...})
     summary = run.finish(history)
+
+The iteration's clocks: `with timer("generation"):` anywhere adds the block's seconds to one
+clock, and timings() reads them all out (time/generation_seconds, ...) and sets them to 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,6 +29,7 @@ import random
 import shlex
 import sys
 import time
+from collections import defaultdict
 from dataclasses import asdict
 
 import numpy as np
@@ -68,6 +73,32 @@ def check_finite(where: str, **values: float) -> None:
         found = ", ".join(f"{k} {v}" for k, v in bad.items())
         raise FloatingPointError(f"{where}: non-finite {found}; stopped before the optimizer "
                                  "step, the weights are unchanged")
+
+
+_CLOCKS: defaultdict[str, float] = defaultdict(float)  # this process's, since timings()
+_INNER: list[float] = []  # per open timer block: the seconds of the timers inside it
+
+
+@contextlib.contextmanager
+def timer(name: str):
+    """Adds the seconds the `with` block takes to the clock `name`, less those of the timers
+    inside it: each second counts on one clock."""
+    began = time.perf_counter()
+    _INNER.append(0.0)
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - began
+        _CLOCKS[name] += elapsed - _INNER.pop()
+        if _INNER:
+            _INNER[-1] += elapsed
+
+
+def timings() -> dict[str, float]:
+    """{"time/<name>_seconds": seconds} of every clock since the last call; sets them to 0."""
+    out = {f"time/{name}_seconds": seconds for name, seconds in _CLOCKS.items()}
+    _CLOCKS.clear()
+    return out
 
 
 class Run:

@@ -471,3 +471,26 @@ def test_processes_wait_for_each_other_as_long_as_the_flag_says(monkeypatch):
     monkeypatch.setattr(common.dist, "PartialState", lambda **kwargs: made.append(kwargs))
     common.dist.start_processes(proxmo.preset_args())
     assert made == [{"cpu": True, "timeout": datetime.timedelta(hours=2)}]
+
+
+def test_nested_timers_count_each_second_on_one_clock(monkeypatch):
+    """An outer timer's clock leaves out the seconds of the timers inside it; a block that
+    raises is still timed; timings() reads the clocks out once."""
+    import types
+
+    import common.run
+
+    ticks = iter([0.0, 1.0, 4.0, 10.0, 10.0, 12.0, 20.0, 20.5])
+    clock = types.SimpleNamespace(perf_counter=lambda: next(ticks))
+    monkeypatch.setattr(common.run, "time", clock)
+    common.run.timings()  # clocks that earlier tests started
+    with common.run.timer("update"):  # 0 -> 10, of which 1 -> 4 inside
+        with common.run.timer("old_logprobs"):
+            pass
+    with common.run.timer("old_logprobs"):  # 10 -> 12
+        pass
+    with pytest.raises(KeyError), common.run.timer("env"):  # 20 -> 20.5
+        raise KeyError("a failing step")
+    assert common.run.timings() == {"time/update_seconds": 7.0, "time/old_logprobs_seconds": 5.0,
+                                    "time/env_seconds": 0.5}
+    assert common.run.timings() == {}

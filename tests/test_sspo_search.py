@@ -5,7 +5,6 @@ ablations' variants, and that the harness sections are proxmo.py's text."""
 import inspect
 import math
 import os
-from collections import defaultdict
 
 import pytest
 
@@ -91,8 +90,7 @@ def test_round_ranks_pushes_and_trains(tokenizer):
                f"<action>{moves[0]}</action>", "no tag here"]
     policy = ScriptedPolicy(tokenizer, [replies])
     table = StateTable()
-    samples, finished, records = search_round(args, tokenizer, policy, [search], table,
-                                              defaultdict(float))
+    samples, finished, records = search_round(args, tokenizer, policy, [search], table)
     assert finished == [] and table.counts == {} and table.t == 1  # read only
     assert records[0]["rollouts"] == 4 and records[0]["score"] == 1.0
     # an unvisited state: w = 0.5, so Eq. 2's score difference weighs nothing
@@ -120,8 +118,7 @@ def test_closed_gate_truncates_without_sampling(tokenizer):
     root_key = search["root"]["keys"][0]
     table = StateTable({root_key: Counts(12, 1)}, t=5)
     policy = ScriptedPolicy(tokenizer, [])
-    samples, finished, records = search_round(args, tokenizer, policy, [search], table,
-                                              defaultdict(float))
+    samples, finished, records = search_round(args, tokenizer, policy, [search], table)
     assert samples == [] and policy.calls == [] and records[0]["rollouts"] == 0
     assert finished == [(0, [root_key], False, None)]  # cut: no game end, no episode length
     assert not sspo.search_active(args, search)
@@ -158,8 +155,7 @@ def test_terminal_children_finish_paths_and_a_single_sample_trains_nothing(token
         key = search["root"]["keys"][0]
         table = StateTable({key: counts} if counts else {}, t=3)
         policy = ScriptedPolicy(tokenizer, replies)
-        samples, finished, records = search_round(args, tokenizer, policy, [search], table,
-                                                  defaultdict(float))
+        samples, finished, records = search_round(args, tokenizer, policy, [search], table)
         assert [f[2] for f in finished] == [True] * n_paths and len(samples) == n_samples
         assert all(f[1] == [key] for f in finished)
         if n_samples:
@@ -185,8 +181,7 @@ def test_step_limit_children_are_scored_from_the_table(tokenizer):
     table = StateTable({root_key: Counts(2, 0), won_key: Counts(1, 1)}, t=3)
     replies = [f"<action>{moves[0]}</action>", f"<action>{moves[1]}</action>"] * 2
     policy = ScriptedPolicy(tokenizer, [replies])
-    samples, finished, records = search_round(args, tokenizer, policy, [search], table,
-                                              defaultdict(float))
+    samples, finished, records = search_round(args, tokenizer, policy, [search], table)
     w = 0.5 * math.exp(-0.2)
     assert records[0]["rewards"] == pytest.approx([0.5, w, 0.5, w], abs=1e-6)
     assert finished == [(0, [root_key], False, 1)] * 4 and search["frontier"] == []
@@ -201,8 +196,7 @@ def test_uniform_rollouts_at_a_visited_state(tokenizer):
         search = new_search(args, task)
         table = StateTable({search["root"]["keys"][0]: Counts(1, 1)}, t=3)
         policy = ScriptedPolicy(tokenizer, [["<action>look</action>"] * n])
-        _, _, records = search_round(args, tokenizer, policy, [search], table,
-                                     defaultdict(float))
+        _, _, records = search_round(args, tokenizer, policy, [search], table)
         assert records[0]["rollouts"] == n and policy.calls == [n]
 
 
@@ -212,7 +206,7 @@ def test_no_backtracking_keeps_the_best_child_and_restarts(tokenizer):
     search = new_search(args, task)
     moves = [a for a in search["game"].admissible_actions() if a.startswith("go to")][:4]
     policy = ScriptedPolicy(tokenizer, [[f"<action>{m}</action>" for m in moves]])
-    search_round(args, tokenizer, policy, [search], StateTable(), defaultdict(float))
+    search_round(args, tokenizer, policy, [search], StateTable())
     assert len(search["frontier"]) == 1
     assert search["frontier"][0]["history"][0][1] == moves[0]
     # A step limit of 1: every child ends its path, nothing is pushed, and the search goes on
@@ -222,8 +216,7 @@ def test_no_backtracking_keeps_the_best_child_and_restarts(tokenizer):
     policy = ScriptedPolicy(tokenizer, [[f"<action>{m}</action>" for m in moves]] * 2)
     for depth in (0, 0):
         assert sspo.search_active(args, search)
-        _, finished, records = search_round(args, tokenizer, policy, [search], StateTable(),
-                                            defaultdict(float))
+        _, finished, records = search_round(args, tokenizer, policy, [search], StateTable())
         assert records[0]["depth"] == depth and len(finished) == 4 and not search["frontier"]
         search["paths"] += len(finished)
     assert search["paths"] == 8 and not sspo.search_active(args, search)  # --max-paths 8
@@ -261,8 +254,7 @@ def test_round_statistics_under_the_revised_defaults(tokenizer):
     replies = [f"<action>{winning}</action>", "<action>look</action>",
                "<action>inventory</action>"]
     policy = ScriptedPolicy(tokenizer, [replies])
-    samples, finished, records = search_round(args, tokenizer, policy, [search], table,
-                                              defaultdict(float))
+    samples, finished, records = search_round(args, tokenizer, policy, [search], table)
     record = records[0]
     assert record["rollouts"] == 3 and len(samples) == 3
     assert record["rewards"] == pytest.approx([5.293933, 0.293933, 0.458773], abs=1e-6)
