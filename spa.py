@@ -1091,12 +1091,7 @@ def main(args: Args) -> dict:
     # Data parallel: every process starts from process 0's weights.
     same_start([*model.parameters(), *value_head.parameters()], args.seed)
 
-    engine = None
-    if args.backend == "vllm":
-        engine = make_vllm_engine(base_model, max_lora_rank=args.lora_r,
-                                  gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                                  max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                  seed=args.seed, sleep_mode=args.vllm_sleep)
+    engine = make_vllm_engine(base_model, args) if args.backend == "vllm" else None
     policy = Policy(args, model, tokenizer, engine)
 
     # Exploration and the progress estimator (Eqs. 5-7), or the one saved before. The new adapter
@@ -1157,12 +1152,7 @@ def main(args: Args) -> dict:
             stats = evaluate(args, policy, split, tasks)
             run.log(stats, iteration)
             history.setdefault(iteration, {}).update(stats)
-            per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}"
-                                for k, v in stats.items() if "/success_" in k)
-            progress.write(f"[eval {split} @ iter {iteration}] "
-                           f"success {stats[f'eval_{split}/success']:.3f} "
-                           f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) "
-                           f"[{time.time() - t0:.0f}s]")
+            progress.write_evaluation(stats, split, iteration, time.time() - t0)
 
     if start_iteration == 0:
         run_eval(0)
@@ -1261,11 +1251,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args(sys.argv[1:]))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except FloatingPointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    config.run_command_line(main, parse_args)  # a bad flag: exit status 2; a NaN loss: 1

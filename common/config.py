@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import sys
 import typing
 from dataclasses import asdict, fields, replace
 
@@ -176,3 +177,17 @@ def errors(args, ranges: dict[str, str]) -> list[str]:
          "only; pick one of them, or --backend hf"),
     ]
     return found + [message for ok, message in rules if not ok]
+
+
+def run_command_line(main, parse_args) -> None:
+    """`python <script>.py ...`: main(parse_args(its flags)). A bad flag or value (UsageError)
+    ends with one line on stderr and exit status 2, a non-finite loss (FloatingPointError) with
+    exit status 1."""
+    try:
+        main(parse_args(sys.argv[1:]))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

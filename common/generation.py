@@ -368,15 +368,16 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def make_vllm_engine(model_path: str, *, max_lora_rank: int, gpu_memory_utilization: float,
-                     max_model_len: int, seed: int, sleep_mode: bool = False):
-    """A vLLM engine over the base weights at `model_path` with LoRA enabled. generation_config=
+def make_vllm_engine(model_path: str, args):
+    """A vLLM engine over the base weights at `model_path` with LoRA enabled (args: a script's
+    Args; lora_r, vllm_gpu_memory_utilization, max_prompt_tokens + max_new_tokens, seed,
+    vllm_sleep). generation_config=
     "vllm" keeps the checkpoint's sampling defaults out, as in hf_generate; processed log-probs
     are those of softmax(logits / temperature), the distribution a token was drawn from.
 
     vLLM refuses to start unless gpu_memory_utilization x the GPU's memory is free, and its
     engine runs in a process of its own: what this process's allocator keeps cached (behavior
-    cloning's activations) is handed back to the GPU first. sleep_mode: Policy.sleep can free
+    cloning's activations) is handed back to the GPU first. --vllm-sleep: Policy.sleep can free
     the engine's memory between rollouts (level 1: the weights, the LoRA slots with them, go to
     host memory; the KV cache is dropped)."""
     try:
@@ -385,10 +386,11 @@ def make_vllm_engine(model_path: str, *, max_lora_rank: int, gpu_memory_utilizat
         raise UsageError("--backend vllm needs vLLM on a CUDA machine: pip install -r "
                          f"requirements.txt -r requirements-gpu.txt ({e})") from e
     release_cached_memory()
-    return LLM(model=model_path, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1,
-               gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-               seed=seed, enable_prefix_caching=True, generation_config="vllm",
-               logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
+    return LLM(model=model_path, enable_lora=True, max_lora_rank=args.lora_r, max_loras=1,
+               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+               max_model_len=args.max_prompt_tokens + args.max_new_tokens, seed=args.seed,
+               enable_prefix_caching=True, generation_config="vllm",
+               logprobs_mode="processed_logprobs", enable_sleep_mode=args.vllm_sleep)
 
 
 def vllm_generate(engine, prompts: list[list[int]], *, adapter_path: str, adapter_version: int,
