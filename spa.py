@@ -1065,7 +1065,6 @@ def main(args: Args) -> dict:
     targets = args.lora_target_modules
     if targets != "all-linear":
         targets = targets.split(",")
-    history: dict = {}
     if args.bc_epochs > 0 and not args.resume:
         if not args.bc_full_params:
             model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
@@ -1133,15 +1132,8 @@ def main(args: Args) -> dict:
         lr=args.learning_rate, weight_decay=args.weight_decay)
     generator = torch.Generator().manual_seed(args.seed)
     task_rng = random.Random(args.seed)
-    start_iteration = 0
-    if run.state is not None:
-        optimizer.load_state_dict(run.state["optimizer"])
-        value_head.load_state_dict(run.state["value_head"])
-        generator.set_state(run.state["generator"])
-        task_rng.setstate(run.state["task_rng"])
-        run.restore_random_streams()
-        start_iteration, history = run.state["iteration"], run.state["history"]
-        print(f"resumed from {run.checkpoint} at iteration {start_iteration}")
+    start_iteration, history = run.restore(optimizer=optimizer, value_head=value_head,
+                                           generator=generator, task_rng=task_rng)
 
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
 
@@ -1237,10 +1229,8 @@ def main(args: Args) -> dict:
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)
         if iteration % args.save_every == 0 or iteration == args.iterations:
-            run.save(model, base_model, iteration, {
-                "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                "task_rng": task_rng.getstate(), "value_head": value_head.state_dict(),
-                "iteration": iteration, "history": history})
+            run.save(model, base_model, iteration, history, optimizer=optimizer,
+                     value_head=value_head, generator=generator, task_rng=task_rng)
     progress.close()
     summary = run.finish(history)
     if policy.batcher is not None:  # free its KV caches, restore the model's attention

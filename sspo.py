@@ -1076,7 +1076,6 @@ def main(args: Args) -> dict:
     targets = args.lora_target_modules
     if targets != "all-linear":
         targets = targets.split(",")
-    history: dict = {}
     if args.bc_epochs > 0 and not args.resume:
         if not args.bc_full_params:
             model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
@@ -1104,16 +1103,11 @@ def main(args: Args) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     task_rng = random.Random(args.seed)
     table = StateTable()
-    start_iteration = 0
+    start_iteration, history = run.restore(optimizer=optimizer, generator=generator,
+                                           task_rng=task_rng)
     if run.state is not None:
-        optimizer.load_state_dict(run.state["optimizer"])
-        generator.set_state(run.state["generator"])
-        task_rng.setstate(run.state["task_rng"])
-        run.restore_random_streams()
-        start_iteration, history = run.state["iteration"], run.state["history"]
         table = StateTable({key: Counts(*c) for key, c in run.state["table"]["counts"].items()},
                            run.state["table"]["t"])
-        print(f"resumed from {run.checkpoint} at iteration {start_iteration}")
 
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
 
@@ -1185,12 +1179,10 @@ def main(args: Args) -> dict:
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)
         if iteration % args.save_every == 0 or iteration == args.iterations:
-            run.save(model, base_model, iteration, {
-                "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                "task_rng": task_rng.getstate(),
-                "table": {"counts": {key: (c.n_total, c.n_success)
-                                     for key, c in table.counts.items()}, "t": table.t},
-                "iteration": iteration, "history": history})
+            counts = {key: (c.n_total, c.n_success) for key, c in table.counts.items()}
+            run.save(model, base_model, iteration, history, optimizer=optimizer,
+                     generator=generator, task_rng=task_rng,
+                     table={"counts": counts, "t": table.t})
     progress.close()
     summary = run.finish(history)
     if policy.batcher is not None:  # free its KV caches, restore the model's attention

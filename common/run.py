@@ -9,10 +9,9 @@ Run(), keep_base and save wait for the others (a call on one process only would 
     model, tokenizer = run.load_model()    # --model, or the start a resumed run kept
     run.open()                             # only now a directory: a bad flag leaves nothing
     base_model = run.keep_base(model, tokenizer)
-    if run.state is not None:              # --resume: the optimizer's state, then
-        run.restore_random_streams()       # every random stream where the run stopped
+    start_iteration, history = run.restore(optimizer=optimizer, generator=generator)  # --resume
     run.log(stats, iteration)
-    run.save(model, base_model, iteration, {"optimizer": ..., "iteration": ...})
+    run.save(model, base_model, iteration, history, optimizer=optimizer, generator=generator)
     summary = run.finish(history)
 
 The iteration's clocks: `with timer("generation"):` anywhere adds the block's seconds to one
@@ -99,6 +98,28 @@ def timings() -> dict[str, float]:
     out = {f"time/{name}_seconds": seconds for name, seconds in _CLOCKS.items()}
     _CLOCKS.clear()
     return out
+
+
+def _state_of(thing):
+    """What a checkpoint keeps of `thing`: the state of an optimizer or module (state_dict), of a
+    torch.Generator or of a random.Random; plain data (or None) as it is."""
+    if isinstance(thing, torch.Generator):
+        return thing.get_state()
+    if isinstance(thing, random.Random):
+        return thing.getstate()
+    if hasattr(thing, "state_dict"):
+        return thing.state_dict()
+    return thing
+
+
+def _set_state(thing, state) -> None:
+    """The inverse of _state_of, in place."""
+    if isinstance(thing, torch.Generator):
+        thing.set_state(state)
+    elif isinstance(thing, random.Random):
+        thing.setstate(state)
+    else:
+        thing.load_state_dict(state)
 
 
 class Run:
@@ -196,14 +217,26 @@ class Run:
             for k, v in stats.items():
                 self.writer.add_scalar(k, v, step)
 
-    def restore_random_streams(self) -> None:
+    def restore(self, **trainer_state) -> tuple[int, dict]:
+        """(iteration, history) to go on from: (0, {}) for a new run. On --resume, the
+        checkpoint's, after every object given (by the name save had it; None is skipped) and
+        this process's random streams got their saved states back."""
+        if self.state is None:
+            return 0, {}
+        for name, thing in trainer_state.items():
+            if thing is not None:
+                _set_state(thing, self.state[name])
         set_random_streams(self.state["streams"][self.dist.process_index])
+        print(f"resumed from {self.checkpoint} at iteration {self.state['iteration']}")
+        return self.state["iteration"], self.state["history"]
 
-    def save(self, model, base_model: str, iteration: int, trainer_state: dict,
-             adapters: dict | None = None) -> None:
+    def save(self, model, base_model: str, iteration: int, history: dict,
+             adapters: dict | None = None, **trainer_state) -> None:
         """checkpoint/: the LoRA adapter (its config naming the base model), other adapters
         (`adapters`, name -> model) in subfolders, a model card saying how to load the policy,
-        and trainer_state.pt with every process's random streams added, for --resume."""
+        and trainer_state.pt for --resume: the state of every object in `trainer_state` (name ->
+        optimizer, module, generator or plain data), the iteration, the history and every
+        process's random streams."""
         streams = gather_object([random_streams()])
         if self.dist.is_main_process:
             path, args = self.checkpoint, self.args
@@ -227,7 +260,8 @@ model, tokenizer = load_model_and_tokenizer("{base_model}")
 policy = load_lora(model, "{os.path.abspath(path)}")
 ```
 """)
-            torch.save({**trainer_state, "streams": streams},
+            state = {name: _state_of(thing) for name, thing in trainer_state.items()}
+            torch.save({**state, "iteration": iteration, "history": history, "streams": streams},
                        os.path.join(path, "trainer_state.pt"))
         self.dist.wait_for_everyone()
 
