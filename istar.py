@@ -1103,8 +1103,9 @@ def main(args: Args) -> dict:
                       "time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0,
                       "train/advantage_abs_mean": float(np.mean(abs_advantages))})
-        # Where the iteration's time went: prompts, generation, env, advantages (the policy
-        # update added old_logprobs, ref_logprobs and update); the main process's times.
+        # Where the iteration's time went: prompts, generation, env, old_logprobs, prm_logprobs,
+        # advantages, prm_update (the policy update added ref_logprobs and update); the main
+        # process's times.
         stats.update(timings())
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
