@@ -487,24 +487,25 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                                      trajs[i]["history"], batch.observations[i], admissible[k],
                                      len(trajs[i]["steps"]) + 1)
                        for k, i in enumerate(active)]
-        if expert:
-            responses = logprobs = [None] * len(active)
-            # An expert that gave up (label None) only looks around; BC skips those steps.
-            labels = [games[i].expert_action() for i in active]
-            commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise, expert_rng)
-                        if label is not None else "look" for i, label in zip(active, labels)]
-            well_formed = has_action = [True] * len(active)
-        else:
-            with timer("generation"):
+        with timer("generation"):
+            if expert:
+                responses = logprobs = [None] * len(active)
+                # An expert that gave up (label None) only looks around; BC skips those steps.
+                labels = [games[i].expert_action() for i in active]
+                commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise,
+                                     expert_rng) if label is not None else "look"
+                            for i, label in zip(active, labels)]
+                well_formed = has_action = [True] * len(active)
+            else:
                 responses, logprobs = policy.generate(prompts, temperature, top_p)
-            logprobs = logprobs or [None] * len(active)
-            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            parsed = [parse_action(t) for t in texts]
-            # No <action> tag: the env gets the reply's tail, which is never admissible.
-            commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
-            labels = [None] * len(active)
-            has_action = [p is not None for p in parsed]
-            well_formed = [is_well_formed(t, args.reasoning) for t in texts]
+                logprobs = logprobs or [None] * len(active)
+                texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+                parsed = [parse_action(t) for t in texts]
+                # No <action> tag: the env gets the reply's tail, which is never admissible.
+                commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
+                labels = [None] * len(active)
+                has_action = [p is not None for p in parsed]
+                well_formed = [is_well_formed(t, args.reasoning) for t in texts]
         states = {i: batch.observations[i] for i in active}
         with timer("env"):
             results = batch.step(dict(zip(active, commands)))
@@ -867,8 +868,8 @@ def main(args: Args) -> dict:
                       "time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0,
                       "train/advantage_abs_mean": float(np.mean(abs_advantages))})
-        # Where the iteration's time went: prompts, generation, env, advantages (the policy
-        # update added old_logprobs, ref_logprobs and update); the main process's times.
+        # Where the iteration's time went: prompts, generation, env, advantages, and the policy
+        # update's old_logprobs, ref_logprobs and update; the main process's times.
         stats.update(timings())
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)

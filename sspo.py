@@ -316,38 +316,37 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict],
     Returns (samples, finished, records): samples (prompt, response_ids, advantage, logprobs) of
     every group of n >= 2 (Eq. 4's advantages); finished paths (search index, path keys, won,
     steps played, or None for a path the search cut) in order, for update_counters after the
-    round; one record per popped node, for
-    the log. The table is only read."""
+    round; one record per popped node, for the log. The table is only read."""
     finished, records, expansions = [], [], []
-    for index, search in enumerate(searches):
-        if not search_active(args, search):
-            continue
-        if not search["frontier"]:  # --no-backtracking: a new path from the first state
-            search["frontier"].append(search["root"])
-        node = search["frontier"].pop()
-        score = score_of(args, table, node["keys"][-1])
-        n = rollout_count(score, args.max_rollouts)  # Eq. 3
-        if args.uniform_rollouts and n > 0:
-            n = args.max_rollouts
-        visits = table.counts.get(node["keys"][-1], Counts()).n_total
-        records.append({"score": score, "rollouts": n, "depth": len(node["history"]),
-                        "visited": visits > 0})
-        if n == 0:  # the score reached zero: this path ends here, lost, cut (no game end)
-            finished.append((index, node["keys"], False, None))
-            continue
-        with timer("prompts"):
+    with timer("prompts"):  # choosing the nodes and their prompts
+        for index, search in enumerate(searches):
+            if not search_active(args, search):
+                continue
+            if not search["frontier"]:  # --no-backtracking: a new path from the first state
+                search["frontier"].append(search["root"])
+            node = search["frontier"].pop()
+            score = score_of(args, table, node["keys"][-1])
+            n = rollout_count(score, args.max_rollouts)  # Eq. 3
+            if args.uniform_rollouts and n > 0:
+                n = args.max_rollouts
+            visits = table.counts.get(node["keys"][-1], Counts()).n_total
+            records.append({"score": score, "rollouts": n, "depth": len(node["history"]),
+                            "visited": visits > 0})
+            if n == 0:  # the score reached zero: this path ends here, lost, cut (no game end)
+                finished.append((index, node["keys"], False, None))
+                continue
             prompt = encode_prompt(args, tokenizer, search["game"].task_description,
                                    node["history"], node["obs"], node["admissible"],
                                    len(node["history"]) + 1)
-        expansions.append((index, node, n, prompt, records[-1]))
-        search["generations"] += n
+            expansions.append((index, node, n, prompt, records[-1]))
+            search["generations"] += n
     if not expansions:
         return [], finished, records
     prompts = [prompt for _, _, n, prompt, _ in expansions for _ in range(n)]
     with timer("generation"):
         responses, logprobs = policy.generate(prompts, args.rollout_temperature)
-    logprobs = logprobs or [None] * len(prompts)
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        logprobs = logprobs or [None] * len(prompts)
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     samples, first = [], 0
     for index, node, n, prompt, record in expansions:
         search, rows = searches[index], range(first, first + n)
@@ -682,24 +681,25 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                                      trajs[i]["history"], batch.observations[i], admissible[k],
                                      len(trajs[i]["steps"]) + 1)
                        for k, i in enumerate(active)]
-        if expert:
-            responses = logprobs = [None] * len(active)
-            # An expert that gave up (label None) only looks around; BC skips those steps.
-            labels = [games[i].expert_action() for i in active]
-            commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise, expert_rng)
-                        if label is not None else "look" for i, label in zip(active, labels)]
-            well_formed = has_action = [True] * len(active)
-        else:
-            with timer("generation"):
+        with timer("generation"):
+            if expert:
+                responses = logprobs = [None] * len(active)
+                # An expert that gave up (label None) only looks around; BC skips those steps.
+                labels = [games[i].expert_action() for i in active]
+                commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise,
+                                     expert_rng) if label is not None else "look"
+                            for i, label in zip(active, labels)]
+                well_formed = has_action = [True] * len(active)
+            else:
                 responses, logprobs = policy.generate(prompts, temperature, top_p)
-            logprobs = logprobs or [None] * len(active)
-            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            parsed = [parse_action(t) for t in texts]
-            # No <action> tag: the env gets the reply's tail, which is never admissible.
-            commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
-            labels = [None] * len(active)
-            has_action = [p is not None for p in parsed]
-            well_formed = [is_well_formed(t, args.reasoning) for t in texts]
+                logprobs = logprobs or [None] * len(active)
+                texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+                parsed = [parse_action(t) for t in texts]
+                # No <action> tag: the env gets the reply's tail, which is never admissible.
+                commands = [p if p is not None else t[-30:] for p, t in zip(parsed, texts)]
+                labels = [None] * len(active)
+                has_action = [p is not None for p in parsed]
+                well_formed = [is_well_formed(t, args.reasoning) for t in texts]
         states = {i: batch.observations[i] for i in active}
         with timer("env"):
             results = batch.step(dict(zip(active, commands)))
@@ -1166,8 +1166,8 @@ def main(args: Args) -> dict:
                 "time/rollout_seconds": rollout_seconds,
                 "train/advantage_abs_mean": float(np.mean(abs_advantages))})
         stats["time/iteration_seconds"] = time.time() - t0
-        # Where the iteration's time went: prompts, generation, env, advantages (the policy
-        # update added old_logprobs, ref_logprobs and update); the main process's times.
+        # Where the iteration's time went: prompts, generation, env, advantages, and the policy
+        # update's old_logprobs, ref_logprobs and update; the main process's times.
         stats.update(timings())
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)

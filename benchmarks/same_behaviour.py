@@ -1,6 +1,7 @@
 """Does a refactor change what the scripts do? Runs every script with every estimator behind its
 --advantage for 2 tiny iterations at a fixed seed, and keeps what a run leaves that must not
-change: every logged scalar but the timings, every evaluation, and the content of every
+change: every logged scalar but the timings (of those, which are logged at which steps), every
+evaluation, and the content of every
 checkpoint file (the adapters' bytes; optimizer, heads and random states entry by entry; not the
 model card, which names the run's path, nor the base model's directory, only its name). Save a
 fingerprint before the change, compare after it:
@@ -93,12 +94,15 @@ def trainer_state_digests(path: str) -> dict:
 
 
 def fingerprint(run_path: str) -> dict:
-    """Every non-timing scalar (tag -> [[step, value]]) and a digest of every checkpoint file."""
+    """Every non-timing scalar (tag -> [[step, value]]), the steps of every timing scalar, and a
+    digest of every checkpoint file."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(run_path, size_guidance={"scalars": 0}).Reload()
     scalars = {tag: [[e.step, e.value] for e in events.Scalars(tag)]
                for tag in sorted(events.Tags()["scalars"]) if not timing(tag)}
+    timings = {tag: [e.step for e in events.Scalars(tag)]
+               for tag in sorted(events.Tags()["scalars"]) if timing(tag)}
     files = {}
     checkpoint = os.path.join(run_path, "checkpoint")
     for folder, _, names in sorted(os.walk(checkpoint)):
@@ -123,7 +127,8 @@ def fingerprint(run_path: str) -> dict:
                     files[key] = digest(f.read())
     with open(os.path.join(run_path, "summary.json")) as f:
         summary = json.load(f)
-    return {"scalars": scalars, "files": files, "evaluations": summary["evaluations"]}
+    return {"scalars": scalars, "timings": timings, "files": files,
+            "evaluations": summary["evaluations"]}
 
 
 def run_case(repo: str, script: str, flags: list[str], work: str) -> dict:
@@ -143,7 +148,9 @@ def differences(before: dict, after: dict) -> list[str]:
         if case not in before or case not in after:
             out.append(f"{case}: only in {'after' if case in after else 'before'}")
             continue
-        for part in ("scalars", "files", "evaluations"):
+        for part in ("scalars", "timings", "files", "evaluations"):
+            if part not in before[case]:  # saved before timings were kept
+                continue
             a, b = before[case][part], after[case][part]
             for key in sorted(set(a) | set(b)):
                 same = json.dumps(a.get(key), sort_keys=True) == json.dumps(b.get(key),
@@ -181,8 +188,9 @@ def main() -> None:
         with open(args.compare) as f:
             before = {k: v for k, v in json.load(f).items() if k in found}
         diffs = differences(before, found)
+        kept = "the same timing scalars, " if all("timings" in v for v in before.values()) else ""
         print("\n".join(diffs) if diffs else f"identical: {len(found)} cases, every logged "
-              "scalar but timings, every checkpoint file and evaluation")
+              f"scalar but timings, {kept}every checkpoint file and evaluation")
         sys.exit(1 if diffs else 0)
 
 

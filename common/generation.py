@@ -371,9 +371,9 @@ def release_cached_memory() -> None:
 def make_vllm_engine(model_path: str, args):
     """A vLLM engine over the base weights at `model_path` with LoRA enabled (args: a script's
     Args; lora_r, vllm_gpu_memory_utilization, max_prompt_tokens + max_new_tokens, seed,
-    vllm_sleep). generation_config=
-    "vllm" keeps the checkpoint's sampling defaults out, as in hf_generate; processed log-probs
-    are those of softmax(logits / temperature), the distribution a token was drawn from.
+    vllm_sleep). generation_config="vllm" keeps the checkpoint's sampling defaults out, as in
+    hf_generate; processed log-probs are those of softmax(logits / temperature), the
+    distribution a token was drawn from.
 
     vLLM refuses to start unless gpu_memory_utilization x the GPU's memory is free, and its
     engine runs in a process of its own: what this process's allocator keeps cached (behavior

@@ -113,7 +113,7 @@ def _state_of(thing):
 
 
 def _set_state(thing, state) -> None:
-    """The inverse of _state_of, in place."""
+    """The inverse of _state_of, in place, for all but plain data (read it from Run.state)."""
     if isinstance(thing, torch.Generator):
         thing.set_state(state)
     elif isinstance(thing, random.Random):
@@ -219,8 +219,9 @@ class Run:
 
     def restore(self, **trainer_state) -> tuple[int, dict]:
         """(iteration, history) to go on from: (0, {}) for a new run. On --resume, the
-        checkpoint's, after every object given (by the name save had it; None is skipped) and
-        this process's random streams got their saved states back."""
+        checkpoint's, after every object given (an optimizer, module, generator or random.Random,
+        by the name save had it; None is skipped) and this process's random streams got their
+        saved states back. Plain data that save kept is in `state`."""
         if self.state is None:
             return 0, {}
         for name, thing in trainer_state.items():

@@ -37,3 +37,15 @@ def test_tensors_are_compared_by_content_not_by_pickle():
     assert same_behaviour.digest(state) == same_behaviour.digest(copy)
     copy["torch"][0] = 9
     assert same_behaviour.digest(state) != same_behaviour.digest(copy)
+
+
+def test_timing_scalars_count_by_their_steps_not_their_values():
+    """A timing's value measures the machine; which timings are logged, and at which steps, is
+    the run's. Fingerprints saved before timings were kept compare without them."""
+    before = {"a": {**case(), "timings": {"time/env_seconds": [1, 2]}}}
+    same = {"a": {**case(), "timings": {"time/env_seconds": [1, 2]}}}
+    fewer = {"a": {**case(), "timings": {"time/env_seconds": [1]}}}
+    assert same_behaviour.differences(before, same) == []
+    assert same_behaviour.differences(before, fewer) == [
+        "a: timings time/env_seconds: [1, 2] -> [1]"]
+    assert same_behaviour.differences({"a": case()}, fewer) == []
