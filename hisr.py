@@ -25,7 +25,8 @@ Departures from the paper (no code was released; spec: `Choice:`; in full: docs/
   * Inputs: one chat of the episode; the cloze shows all but reply k, turn k's admissible actions
     (--no-hindsight-admissible), the outcome; float32; over --aux-max-tokens: cut, counted.
   * Eq. 5 over the rollout policy; Eq. 7 L1 times the SPRM's mass (--him-scale sprm; unit: Eq. 7
-    as written), on the last turn (--him-placement uniform); --no-use-hindsight (w/o HIM): z = 1.
+    as written), on the last turn (--him-placement uniform); --no-use-hindsight (w/o HIM): z = 1,
+    and no hindsight model is trained.
   * Grounding as a cost, alpha * (g_t - 1), Eq. 8 less a constant per turn: --grounding-form eq8.
   * Online RL by default (the paper does not say); --rl-data explore: one pass over the
     collection, as SPA's code; --advantage ppo then trains on the same rollouts.
@@ -887,7 +888,7 @@ def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict
     Writes "seg_ids" into every trajectory; whole tasks are held out (split_heldout), every
     rollout of them, filtered or not, as RL will see them; the rest of the kept trajectories
     (keep_for_training) train the SPRM and then the hindsight model, each on a copy of the
-    start (auxiliary_copy)."""
+    start (auxiliary_copy). w/o HIM (--no-use-hindsight) trains no hindsight model: None."""
     for t in collected:
         t["seg_ids"] = trajectory_segments(args, t)
     replies = [tokenizer.batch_decode([s["response_ids"] for s in t["steps"]],
@@ -915,9 +916,11 @@ def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict
     head = SegmentRewardHead(start_model.config.hidden_size).to(device)
     stats.update(train_sprm(args, sprm, head, tokenizer, collected, train, heldout,
                             random.Random(args.seed + 4)))
-    hindsight = auxiliary_copy(args, start_model, targets)
-    stats.update(train_hindsight(args, hindsight, start_model, tokenizer, collected, train,
-                                 heldout, random.Random(args.seed + 5)))
+    hindsight = None  # w/o HIM (--no-use-hindsight) reads no hindsight model
+    if args.use_hindsight:
+        hindsight = auxiliary_copy(args, start_model, targets)
+        stats.update(train_hindsight(args, hindsight, start_model, tokenizer, collected, train,
+                                     heldout, random.Random(args.seed + 5)))
     return sprm, head, hindsight, stats
 
 
@@ -926,9 +929,11 @@ READING = ("segmenter", "hindsight_admissible", "collect_filter")
 
 
 def save_reward_models(path: str, sprm, head, hindsight, args: Args) -> None:
-    """The trained SPRM (weights or adapter, and head.pt) and hindsight model under path/, with
-    reading.json: the settings of READING they were trained with."""
+    """The trained SPRM (weights or adapter, and head.pt) and hindsight model (unless None)
+    under path/, with reading.json: the settings of READING they were trained with."""
     for name, model in (("sprm", sprm), ("hindsight", hindsight)):
+        if model is None:
+            continue
         os.makedirs(os.path.join(path, name), exist_ok=True)
         if args.aux_full_params:
             torch.save(model.state_dict(), os.path.join(path, name, "model.pt"))
@@ -941,17 +946,19 @@ def save_reward_models(path: str, sprm, head, hindsight, args: Args) -> None:
 
 def load_reward_models(args: Args, start_model, path: str):
     """(SPRM, head, hindsight model), frozen, from a directory save_reward_models wrote; refused
-    when they were trained with other settings of READING than args."""
+    when they were trained with other settings of READING than args. w/o HIM
+    (--no-use-hindsight) loads no hindsight model: None."""
     found = os.path.join(path, "sprm", "head.pt")
     weights = "model.pt" if args.aux_full_params else "adapter_config.json"
     reading = os.path.join(path, "reading.json")
-    missing = [p for p in (found, os.path.join(path, "sprm", weights),
-                           os.path.join(path, "hindsight", weights), reading)
-               if not os.path.isfile(p)]
+    names = ["sprm", "hindsight"] if args.use_hindsight else ["sprm"]
+    needed = [found, reading] + [os.path.join(path, name, weights) for name in names]
+    missing = [p for p in needed if not os.path.isfile(p)]
     if missing:
         raise UsageError(f"--reward-models {path}: {', '.join(missing)} missing (not a "
                          "reward_models/ directory of hisr.py with the same --aux-full-params, "
-                         "or one written before reading.json existed?)")
+                         "one trained with --no-use-hindsight, or one written before "
+                         "reading.json existed?)")
     with open(reading) as f:
         trained = json.load(f)
     differ = [f"--{n.replace('_', '-')} {trained.get(n)!r} (this run: {getattr(args, n)!r})"
@@ -959,7 +966,7 @@ def load_reward_models(args: Args, start_model, path: str):
     if differ:
         raise UsageError(f"--reward-models {path} were trained with " + ", ".join(differ))
     models = []
-    for name in ("sprm", "hindsight"):
+    for name in names:
         model = copy.deepcopy(start_model).float()
         if args.aux_full_params:
             model.load_state_dict(torch.load(os.path.join(path, name, "model.pt"),
@@ -970,8 +977,9 @@ def load_reward_models(args: Args, start_model, path: str):
     device = next(start_model.parameters()).device
     head = SegmentRewardHead(start_model.config.hidden_size).to(device)
     head.load_state_dict(torch.load(found, map_location="cpu"))
-    freeze(models[0], head, models[1])
-    return models[0], head, models[1]
+    freeze(head, *models)
+    hindsight = models[1] if args.use_hindsight else None
+    return models[0], head, hindsight
 
 
 # ---- 3. Policy and value loss (Eq. 9) -----------------------------------------------------------
@@ -1070,7 +1078,7 @@ class Args:
     segmenter: Literal["events", "turns", "whole"] = "events"
     """cut trajectories at events (milestones), turns (the w/o SPR ablation) or whole"""
     use_hindsight: bool = True
-    """modulate segment rewards by hindsight importance (Eqs. 5-7); off: w/o HIM"""
+    """modulate segment rewards by hindsight importance (Eqs. 5-7); off: w/o HIM, z = 1"""
     importance_beta: float = 0.3
     """beta of Eq. 6: importance = exp(mean token log-ratio / beta)"""
     grounding_weight: float = 0.3
@@ -1684,13 +1692,15 @@ def main(args: Args) -> dict:
                   f"{len(collected)} "
                   f"(success {stats['collect/kept_success']:.3f}), "
                   f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
-            if "sprm/heldout_mse" in stats and "hindsight/heldout_nll_hindsight" in stats:
+            if "sprm/heldout_mse" in stats:
                 print(f"  held out ({stats['aux/heldout']} rollouts, unfiltered; "
                       f"{stats['sprm/heldout_skipped_too_long']} too long for the SPRM): SPRM AUC "
                       f"{stats['sprm/heldout_auc']:.3f}, MSE {stats['sprm/heldout_mse']:.4f} "
-                      f"(a constant: {stats['sprm/heldout_mse_of_constant']:.4f}); hindsight "
-                      f"NLL per token {stats['hindsight/heldout_nll_hindsight']:.4f} (the "
-                      f"policy: {stats['hindsight/heldout_nll_start_policy']:.4f})")
+                      f"(a constant: {stats['sprm/heldout_mse_of_constant']:.4f})")
+            if "hindsight/heldout_nll_hindsight" in stats:
+                print(f"  held out: hindsight NLL per token "
+                      f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the policy: "
+                      f"{stats['hindsight/heldout_nll_start_policy']:.4f})")
             run.log(stats, 0)
             if dist.is_main_process:
                 save_reward_models(aux_path, sprm, sprm_head, hindsight, args)
@@ -1739,8 +1749,13 @@ def main(args: Args) -> dict:
         if sprm is not None:
             with timer("sprm"):
                 cut["sprm"] = score_segments(args, sprm, sprm_head, tokenizer, trajs)
+        if hindsight is not None:
             with timer("hindsight"):
                 cut["hindsight"] = score_hindsight(args, hindsight, tokenizer, trajs)
+        elif sprm is not None:  # w/o HIM: log pi_hind = log pi_old, z = 1
+            for traj in trajs:
+                for step in traj["steps"]:
+                    step["hind_logprobs"] = step["old_logprobs"]
         # (5) importance (Eqs. 5-6), modulated segment rewards (Eq. 7), fused rewards (Eq. 8) and
         # GAE over the whole batch (whitened over all of it); each process keeps the advantages
         # and returns of its trajectories.

@@ -101,6 +101,10 @@ def test_ablations_run(tmp_path, ablation):
         assert logged.Scalars("credit/segments_per_trajectory")[0].value == pytest.approx(
             logged.Scalars("rollout/episode_length")[0].value)
         assert logged.Scalars("collect/kept_share")[0].value == 1.0
+    if "--no-use-hindsight" in ablation:  # w/o HIM: no hindsight model is trained, z = 1
+        assert not os.path.exists(os.path.join(run_path, "reward_models", "hindsight"))
+        assert "hindsight/heldout_nll_hindsight" not in logged.Tags()["scalars"]
+        assert logged.Scalars("credit/z_mean")[0].value == 1.0
     else:
         assert os.path.isfile(os.path.join(run_path, "reward_models", "hindsight",
                                            "adapter_config.json"))
@@ -156,6 +160,10 @@ def test_saved_reward_models_skip_collection(tmp_path):
     saved = os.path.join(first, "reward_models")
     out = run(["--iterations", "1", "--reward-models", saved, "--run-dir",
                str(tmp_path / "second"), *SMALL], tmp_path)
+    assert not collected(out) and "rl 1/1" in out.stdout
+    # w/o HIM reads the SPRM alone and saves no hindsight model of its own.
+    out = run(["--iterations", "1", "--reward-models", saved, "--no-use-hindsight", "--run-dir",
+               str(tmp_path / "no-him"), *SMALL], tmp_path)
     assert not collected(out) and "rl 1/1" in out.stdout
     wrong = run(["--iterations", "1", "--reward-models", saved, "--no-aux-full-params",
                  "--run-dir", str(tmp_path / "third"), *SMALL], tmp_path, expect=2)
