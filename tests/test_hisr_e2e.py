@@ -44,7 +44,8 @@ def test_two_iterations_of_hisr(tmp_path):
               tmp_path)
     assert re.search(r"^collect 18/18 ", out.stdout, re.MULTILINE)
     assert re.search(r"held out \(6 rollouts, unfiltered; 0 too long for the SPRM\): SPRM AUC "
-                     r"\S+, MSE \S+ \(a constant: \S+\); hindsight NLL", out.stdout)
+                     r"\S+, MSE \S+ \(a constant: \S+\)\n  held out: hindsight NLL per token "
+                     r"\S+ \(the policy: \S+\)", out.stdout)
     assert "[eval test @ iter 0]" in out.stdout and "[eval test @ iter 2]" in out.stdout
     (run_path,) = glob.glob(str(tmp_path / "hisr__household__hisr__1__*"))
     for name in ("config.json", "summary.json", "checkpoint/adapter_config.json",
