@@ -316,8 +316,11 @@ def plot(script: str, split: str, results: dict[str, dict[int, dict]], pairs: di
         right.scatter([k] * len(pair["differences"]), pair["differences"], s=12, color="grey")
         right.errorbar([k + 0.15], [mean], yerr=[0 if math.isnan(se) else 2 * se], fmt="o",
                        capsize=4)
+    if not pairs:
+        right.text(0.5, 0.5, "no baseline ran with these flags", ha="center", va="center",
+                   transform=right.transAxes, fontsize=9)
     right.axhline(0, color="black", linewidth=0.8)
-    right.set_xlim(-0.5, max(len(pairs), 1) - 0.5)  # no pair yet: an empty panel
+    right.set_xlim(-0.5, max(len(pairs), 1) - 0.5)
     right.set_xticks(range(len(pairs)), [f"{m} - {p['baseline']}\n({len(p['seeds'])} seeds)"
                                          for m, p in pairs.items()], fontsize=8)
     right.set_ylabel(f"paired difference of {split} gains")
