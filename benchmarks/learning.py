@@ -317,7 +317,7 @@ def plot(script: str, split: str, results: dict[str, dict[int, dict]], pairs: di
         right.errorbar([k + 0.15], [mean], yerr=[0 if math.isnan(se) else 2 * se], fmt="o",
                        capsize=4)
     if not pairs:
-        right.text(0.5, 0.5, "no baseline ran with these flags", ha="center", va="center",
+        right.text(0.5, 0.5, "no baseline run to pair with", ha="center", va="center",
                    transform=right.transAxes, fontsize=9)
     right.axhline(0, color="black", linewidth=0.8)
     right.set_xlim(-0.5, max(len(pairs), 1) - 0.5)
