@@ -16,8 +16,11 @@ Run:
     python proxmo.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the paper's
     accelerate launch --multi_gpu --num_processes 8 proxmo.py --env alfworld ...  # data parallel
 
-Sections: 1 ProxMO advantages, 2 GRPO/GiGPO baselines, 3 policy loss, 4 arguments, 5 rollouts, 6
-behavior cloning, 7 evaluation, 8 training loop.
+The household's oracle (`--advantage oracle`, section 2) is an instrument, not a method: the
+expert's progress per step as step credit, the ceiling of what step credit can do on this testbed.
+
+Sections: 1 ProxMO advantages, 2 GRPO/GiGPO baselines and the oracle, 3 policy loss, 4 arguments,
+5 rollouts, 6 behavior cloning, 7 evaluation, 8 training loop.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, seed_everything, timer, timings
+from envs.household import label_progress
 from envs.text import PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
 
 
@@ -191,7 +195,7 @@ def proxmo_batch_advantages(outcomes: list[float], step_rewards: list[Tensor],
     return out
 
 
-# ---- 2. Baselines ProxMO reduces to: GRPO and GiGPO ---------------------------------------------
+# ---- 2. Baselines ProxMO reduces to: GRPO and GiGPO; the household's oracle ---------------------
 def grpo_advantages(outcomes: Tensor, eps: float = 1e-6, use_std: bool = True) -> Tensor:
     """(N,) -> (N,) GRPO episode advantage (Eq. 5); the same value is used for every step."""
     return group_zscore(outcomes, eps, use_std)
@@ -223,11 +227,40 @@ def gigpo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], states:
     return [episode[i] + omega * step[i] for i in range(len(step_rewards))]
 
 
+# The oracle is an instrument, not a method: the household's expert knows how many steps each
+# state is from a win (envs.household.steps_to_go), which no real benchmark tells. Its progress
+# as step credit is the ceiling of step credit on this testbed: what a method's credit could
+# give at best, on the same protocol. `--advantage oracle`: GRPO's episode term plus omega times
+# the z-scored progress; `--advantage oracle-step`: the z-scored progress alone.
+ORACLES = ("oracle", "oracle-step")
+
+
+def oracle_step_advantages(progress: list[Tensor], eps: float = 1e-6) -> list[Tensor]:
+    """progress[i] (T_i,) of every trajectory of a batch -> (T_i,) per trajectory: the progress
+    z-scored over all the batch's steps (group_zscore: population std; all equal -> zeros).
+
+    A step's progress is steps_to_go before it minus steps_to_go after it (+1 for an expert step,
+    0 for a detour, negative for a step to undo; envs.household.label_progress). It telescopes:
+    a loop earns 0 in all, so no length of episode games it."""
+    flat = torch.cat([p.to(torch.float64) for p in progress])
+    return list(torch.split(group_zscore(flat, eps), [len(p) for p in progress]))
+
+
+def label_oracle_progress(args: Args, trajectories: list[dict], tasks: list) -> None:
+    """Adds "progress" (a list of T_i ints) to each trajectory: its commands replayed in a fresh
+    game of its task (household only: the oracle needs the expert's distance)."""
+    for traj, task in zip(trajectories, tasks):
+        actions = [s["action"] for s in traj["steps"]]
+        seen = [s["next_state"] for s in traj["steps"]]
+        traj["progress"], _ = label_progress(task, actions, seen, args.max_episode_steps)
+
+
 def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
-    """Per-step advantages (T_i,) of every trajectory of a batch with the chosen estimator, then
-    the one penalty rule of every estimator: --invalid-action-penalty is subtracted from the final
-    advantage of each malformed reply, after every normalisation and baseline, so that it moves
-    that step's advantage by exactly the penalty and nothing else."""
+    """Per-step advantages (T_i,) of every trajectory of a batch with the chosen estimator (the
+    oracles read each trajectory's "progress"), then the one penalty rule of every estimator:
+    --invalid-action-penalty is subtracted from the final advantage of each malformed reply,
+    after every normalisation and baseline, so that it moves that step's advantage by exactly
+    the penalty and nothing else."""
     outcomes = [float(t["won"]) for t in trajectories]
     rewards = [torch.tensor(t["rewards"], dtype=torch.float64) for t in trajectories]
     states = [[s["state"] for s in t["steps"]] for t in trajectories]
@@ -244,15 +277,22 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
             members[g].append(i)
         for idx in members.values():
             group_outcomes = torch.tensor([outcomes[i] for i in idx], dtype=torch.float64)
-            if args.advantage == "grpo":
-                episode = grpo_advantages(group_outcomes, use_std=args.use_std)
-                advs = [episode[k].expand(len(rewards[i])) for k, i in enumerate(idx)]
-            else:
+            if args.advantage == "gigpo":
                 advs = gigpo_group_advantages(group_outcomes, [rewards[i] for i in idx],
                                               [states[i] for i in idx], gamma=args.gamma,
                                               omega=args.step_weight, use_std=args.use_std)
+            else:  # grpo, and the oracle's episode term
+                episode = grpo_advantages(group_outcomes, use_std=args.use_std)
+                advs = [episode[k].expand(len(rewards[i])) for k, i in enumerate(idx)]
             for i, a in zip(idx, advs):
                 advantages[i] = a
+    if args.advantage in ORACLES:
+        progress = oracle_step_advantages(
+            [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories])
+        if args.advantage == "oracle-step":
+            advantages = progress
+        else:
+            advantages = [a + args.step_weight * p for a, p in zip(advantages, progress)]
     malformed = [torch.tensor([not s["well_formed"] for s in t["steps"]], dtype=torch.float64)
                  for t in trajectories]
     return [a - args.invalid_action_penalty * m for a, m in zip(advantages, malformed)]
@@ -333,8 +373,8 @@ class Args:
     """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
 
     # Advantage estimator: the method and the baselines it is compared against.
-    advantage: Literal["proxmo", "grpo", "gigpo"] = "proxmo"
-    """proxmo (Eqs. 5-12), grpo (episode z-score only) or gigpo (exact-match anchor states)"""
+    advantage: Literal["proxmo", "grpo", "gigpo", "oracle", "oracle-step"] = "proxmo"
+    """proxmo (Eqs. 5-12), grpo, gigpo, or the household's oracle (section 2: an instrument)"""
     psc_alpha: float = 4.0
     """alpha, steepness of the success-rate modulation (Eq. 6)"""
     psc_beta: float = 0.1
@@ -344,7 +384,7 @@ class Args:
     gamma: float = 0.95
     """discount of step returns (Eq. 8)"""
     step_weight: float = 1.0
-    """omega, weight of the step advantage (Eq. 12); 0 with --psc-beta 0 gives GRPO"""
+    """omega, weight of the step term (Eq. 12; GiGPO's, the oracle's); 0, --psc-beta 0: GRPO"""
     use_std: bool = True
     """divide episode (and GiGPO anchor) advantages by the group std; off: the mean only"""
     tfidf_max_features: int = 1024
@@ -658,7 +698,8 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
 def summarize(traj: dict) -> dict:
     """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
     steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
-    return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
+    kept = ("task_type", "group", "won", "rewards", "progress")  # progress: the oracles' only
+    return {**{k: traj[k] for k in kept if k in traj}, "steps": steps}
 
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
@@ -745,7 +786,11 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
 
 def validate_args(args: Args) -> list[str]:
     """One line per nonsensical value; [] when all are usable (common/config.py)."""
-    return config.errors(args, RANGES)
+    errors = config.errors(args, RANGES)
+    if args.advantage in ORACLES and args.env != "household":
+        errors.append(f"--advantage {args.advantage} needs the household's expert; --env "
+                      f"{args.env} has no oracle")
+    return errors
 
 
 def preset_args(model: str = "tiny", env: str = "household", advantage: str | None = None) -> Args:
@@ -846,6 +891,8 @@ def main(args: Args) -> dict:
         # (4) advantages, one scalar per step, computed over the whole batch (ProxMO fits its
         # TF-IDF on every anchor text of the batch); each process keeps those of its trajectories.
         with timer("advantages"):
+            if args.advantage in ORACLES:  # the household's expert labels every step
+                label_oracle_progress(args, trajs, tasks)
             batch = gather_object([summarize(t) for t in trajs])
             first = my_groups.start * args.group_size
             batch_advantages = compute_advantages(args, batch)

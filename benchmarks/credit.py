@@ -52,7 +52,7 @@ import proxmo  # noqa: E402
 import spa  # noqa: E402
 import sspo  # noqa: E402
 from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
-from envs.household import HouseholdEnv, generate_task, steps_to_go  # noqa: E402
+from envs.household import label_progress  # noqa: E402
 
 
 # ---- 1. The figures -----------------------------------------------------------------------------
@@ -175,34 +175,6 @@ class Batch:
     cache: dict = field(default_factory=dict)  # what two estimators share (a search, a PRM)
 
 
-def state_key(game: HouseholdEnv) -> str:
-    """The game's true state as text (its step counter left out), the same in every process:
-    sets are written sorted, since their order depends on the string hash seed."""
-    snapshot = game.snapshot()
-    snapshot.pop("steps")
-    return repr([(name, sorted(value) if isinstance(value, set) else value)
-                 for name, value in sorted(snapshot.items())])
-
-
-def label_progress(task: int, actions: list[str], next_states: list[str],
-                   max_steps: int) -> tuple[list[int], list[str]]:
-    """Replay a trajectory's commands in a fresh game of `task`: (progress per step, the true
-    state before each step). The replay must see the observations the rollout saw."""
-    game = HouseholdEnv(generate_task(task), max_steps=max_steps)
-    game.reset()
-    before, progress, states = steps_to_go(game), [], []
-    for action, seen in zip(actions, next_states):
-        states.append(state_key(game))
-        obs, _, _, _ = game.step(action)
-        if obs != seen:
-            raise RuntimeError(f"task {task}: the replay of {action!r} saw {obs!r}, the rollout "
-                               f"{seen!r}")
-        after = steps_to_go(game)
-        progress.append(before - after)
-        before = after
-    return progress, states
-
-
 def collect(num_tasks: int, group_size: int, seed: int, temperature: float | None = None,
             max_episode_steps: int | None = None, budget: Budget | None = None) -> Batch:
     """Rollouts of the shared start on `num_tasks` training tasks (drawn with `seed`) x
@@ -241,9 +213,12 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
 # Each takes the batch and returns (credit per trajectory as (T_i,) tensors, what data beyond the
 # batch it used). The credit is the per-step advantage the script's update would use.
 def proxmo_credit(batch: Batch, advantage: str) -> tuple[list[Tensor], str]:
-    """GRPO, GiGPO or ProxMO with proxmo.py's tiny preset."""
+    """GRPO, GiGPO, ProxMO or the oracle with proxmo.py's tiny preset (the oracle reads the
+    batch's progress, as proxmo.py's update would)."""
     args = replace(batch.args, advantage=advantage)
-    return proxmo.compute_advantages(args, batch.trajs), "the batch"
+    trajs = [{**traj, "progress": p} for traj, p in zip(batch.trajs, batch.progress)]
+    data = "the batch and its progress" if advantage in proxmo.ORACLES else "the batch"
+    return proxmo.compute_advantages(args, trajs), data
 
 
 def rloo_credit(batch: Batch) -> tuple[list[Tensor], str]:
@@ -526,6 +501,8 @@ def admissible_credit(batch: Batch) -> tuple[list[Tensor], str]:
 
 
 ESTIMATORS = {
+    "oracle-step": lambda batch: proxmo_credit(batch, "oracle-step"),
+    "oracle": lambda batch: proxmo_credit(batch, "oracle"),
     "admissible": admissible_credit,
     "grpo": lambda batch: proxmo_credit(batch, "grpo"),
     "gigpo": lambda batch: proxmo_credit(batch, "gigpo"),
@@ -546,7 +523,9 @@ ESTIMATORS = {
     "sspo": sspo_credit,
     "sspo-rewards": sspo_reward_credit,
 }
-LABELS = {"admissible": "admissible steps only (reference)", "grpo": "GRPO (proxmo.py)",
+LABELS = {"oracle-step": "oracle: progress alone (reference, proxmo.py)",
+          "oracle": "oracle: GRPO + progress (reference, proxmo.py)",
+          "admissible": "admissible steps only (reference)", "grpo": "GRPO (proxmo.py)",
           "gigpo": "GiGPO (proxmo.py)", "proxmo": "ProxMO (proxmo.py)",
           "ppo": "PPO (spa.py)", "spa-eq8": "SPA, Eq. 8 as written (spa.py)",
           "spa": "SPA, grounding as a cost (spa.py)",

@@ -53,7 +53,7 @@ ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"]
               "sspo.py": ["sspo", "grpo"]}
 # Each method's own baseline in its script, for the paired differences.
 BASELINE = {"proxmo": "grpo", "gigpo": "grpo", "spa": "ppo", "istar": "rloo", "hisr": "ppo",
-            "sspo": "grpo"}
+            "sspo": "grpo", "oracle": "grpo", "oracle-step": "grpo"}
 MIN_SEEDS = 6  # fewer seeds: no claim, however large the difference
 
 
@@ -129,6 +129,7 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
                                                                               "config.json"))
     return {"script": script, "estimator": estimator, "seed": seed, "split": split,
             "eval_num_tasks": eval_num_tasks, "flags": flags, "command": config["command"],
+            **{key: config.get(key, "not recorded") for key in ("commit", "torch", "threads")},
             "minutes": seconds / 60, "evaluations": summary["evaluations"],
             "train_success": training_curve(run_path)}
 

@@ -26,6 +26,7 @@ import math
 import os
 import random
 import shlex
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -72,6 +73,23 @@ def check_finite(where: str, **values: float) -> None:
         found = ", ".join(f"{k} {v}" for k, v in bad.items())
         raise FloatingPointError(f"{where}: non-finite {found}; stopped before the optimizer "
                                  "step, the weights are unchanged")
+
+
+def code_version() -> str:
+    """The git commit of the code that runs, "+changes" appended when a tracked file outside the
+    docs and the benchmark records differs from it; "unknown" outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = ["git", "-C", root]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--",
+                                  ".", ":(exclude)benchmarks/results", ":(exclude)docs",
+                                  ":(exclude)*.md"], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+changes" if changed else "")
 
 
 _CLOCKS: defaultdict[str, float] = defaultdict(float)  # this process's, since timings()
@@ -185,8 +203,8 @@ class Run:
         return os.path.abspath(base) if os.path.isdir(base) else resolve_model_name(args.model)[0]
 
     def open(self) -> None:
-        """The run directory, its config.json (a resume adds its command to the first's), and the
-        loggers."""
+        """The run directory, its config.json (the command, every setting, the commit, torch's
+        version and threads; a resume adds its command to the first's), and the loggers."""
         if not self.dist.is_main_process:
             return
         args = self.args
@@ -194,7 +212,8 @@ class Run:
         config_file = self.file("config.json")
         command = shlex.join([sys.executable, *sys.argv])
         record = {"command": command, "args": asdict(args), "resumed_by": [],
-                  "num_processes": self.dist.num_processes}
+                  "num_processes": self.dist.num_processes, "commit": code_version(),
+                  "torch": torch.__version__, "threads": torch.get_num_threads()}
         if args.resume:  # keep the first command; a raised --iterations holds for later resumes
             with open(config_file) as f:
                 record = {**json.load(f), "args": asdict(args)}

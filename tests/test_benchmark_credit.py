@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from credit import (ESTIMATORS, FIGURES, LABELS, Batch, credit_auc,  # noqa: E402
-                    figures_with_se, label_progress, sign_agreement, task_counts)
-from envs.household import HouseholdEnv, generate_task  # noqa: E402
+                    figures_with_se, sign_agreement, task_counts)
+from envs.household import HouseholdEnv, generate_task, label_progress  # noqa: E402
 
 
 def test_credit_auc_by_hand():

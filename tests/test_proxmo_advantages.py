@@ -11,7 +11,7 @@ import torch
 
 from proxmo import (Args, compute_advantages, cosine_similarity, discounted_returns,
                     gigpo_group_advantages, gigpo_step_advantages, grpo_advantages, group_zscore,
-                    k3_kl, ppo_clip_loss, proximity_baselines,
+                    k3_kl, oracle_step_advantages, ppo_clip_loss, proximity_baselines,
                     proxmo_batch_advantages, proxmo_episode_advantages, proxmo_group_advantages,
                     proxmo_step_advantages, psc_weights, tfidf_vectors)
 
@@ -327,6 +327,44 @@ def test_only_malformed_replies_are_penalised():
     ]
     advs = compute_advantages(Args(advantage="grpo"), trajectories)
     check_all(advs, [[0.999998, 0.989998], [-0.999998]])
+
+
+def oracle_batch():
+    """Group 0: a winner with progress (1, -1, 1) and a loser with (-1) whose one reply is
+    malformed; group 1: a lone winner with (1, -1)."""
+    def steps(n, well_formed=True):
+        return [{"state": "s", "valid": True, "well_formed": well_formed}] * n
+    return [{"won": True, "group": 0, "rewards": [0.0, 0.0, 1.0], "steps": steps(3),
+             "progress": [1, -1, 1]},
+            {"won": False, "group": 0, "rewards": [0.0], "steps": steps(1, False),
+             "progress": [-1]},
+            {"won": True, "group": 1, "rewards": [0.0, 1.0], "steps": steps(2),
+             "progress": [1, -1]}]
+
+
+def test_oracle_advantages_by_hand():
+    """The batch's progress (1, -1, 1, -1, 1, -1) has mean 0 and population std 1, so its z-score
+    is progress / (1 + 1e-6) = +-0.999999. GRPO's episode term: group 0 (1, 0) -> (0.999998,
+    -0.999998), the lone group 1 -> 0. oracle at omega 0.5: (1.499998, 0.499998, 1.499998),
+    (-1.499998 - 0.01), (0.5, -0.5); oracle-step: the z-scored progress alone, less the penalty."""
+    progress = oracle_step_advantages([torch.tensor(p, dtype=torch.float64)
+                                       for p in ([1, -1, 1], [-1], [1, -1])])
+    check_all(progress, [[0.999999, -0.999999, 0.999999], [-0.999999], [0.999999, -0.999999]])
+    oracle = compute_advantages(Args(advantage="oracle", step_weight=0.5), oracle_batch())
+    check_all(oracle, [[1.499998, 0.499998, 1.499998], [-1.509998], [0.5, -0.5]])
+    step_only = compute_advantages(Args(advantage="oracle-step"), oracle_batch())
+    check_all(step_only, [[0.999999, -0.999999, 0.999999], [-1.009999], [0.999999, -0.999999]])
+
+
+def test_oracle_progress_that_is_all_equal_gives_no_step_credit():
+    """No step made more progress than another: the z-score is exactly 0, and the oracle is GRPO
+    bit for bit."""
+    batch = oracle_batch()
+    for traj in batch:
+        traj["progress"] = [0] * len(traj["steps"])
+    oracle = compute_advantages(Args(advantage="oracle"), batch)
+    grpo = compute_advantages(Args(advantage="grpo"), batch)
+    assert all(torch.equal(a, b) for a, b in zip(oracle, grpo))
 
 
 def test_batch_with_two_interleaved_groups_matches_batch_level_reference():

@@ -30,7 +30,7 @@ def run(args, tmp_path, expect=0):
     return result
 
 
-@pytest.mark.parametrize("advantage", ["proxmo", "grpo", "gigpo"])
+@pytest.mark.parametrize("advantage", ["proxmo", "grpo", "gigpo", "oracle"])
 def test_two_iterations(advantage, tmp_path):
     """grpo and gigpo start from the shipped model; proxmo from random weights and BC, whose
     cloned model the run keeps beside the adapter."""
