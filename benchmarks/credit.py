@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import random
 import sys
@@ -614,8 +615,11 @@ def main(argv: list[str]) -> list[dict]:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     if args.num_tasks > len(envs.list_tasks("household", "train")):
         parser.error(f"--num-tasks {args.num_tasks}: the household has fewer training tasks")
-    if args.temperature is not None and args.temperature <= 0:
-        parser.error("--temperature must be > 0")
+    if args.temperature is not None and not (math.isfinite(args.temperature)
+                                             and args.temperature > 0):
+        parser.error("--temperature must be finite and > 0")
+    if not 0 <= args.seed < 2 ** 32:
+        parser.error("--seed must be in [0, 2**32)")
     if args.max_episode_steps is not None and args.max_episode_steps < 1:
         parser.error("--max-episode-steps must be >= 1")
     os.makedirs(args.out, exist_ok=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -177,8 +178,8 @@ def main(argv: list[str]) -> str:
         raise UsageError(f"--device {args.device}: no CUDA device here")
     for flag, value in (("--layers", args.layers), ("--vocab-size", args.vocab_size),
                         ("--new-tokens", args.new_tokens), ("--timeout", args.timeout)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be >= 1 (got {value})")
+        if value is not None and not (math.isfinite(value) and value >= 1):
+            raise UsageError(f"{flag} must be finite and >= 1 (got {value})")
     has_vllm = importlib.util.find_spec("vllm") is not None
     backends = args.backends or ["hf", "hf-cb"] + (["vllm"] if on_gpu and has_vllm else [])
     if "vllm" in backends and not (on_gpu and has_vllm):

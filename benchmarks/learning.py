@@ -34,6 +34,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from common.run import write_json  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "learning")  # the committed records
 # The protocol's training budget on top of the script's tiny defaults, fixed beforehand so that a
 # run takes about 12 minutes on 2 cores; the hyperparameters themselves were not tuned.
@@ -82,8 +84,23 @@ def verdict(differences: list[float]) -> str:
 
 
 # ---- runs and their records ---------------------------------------------------------------------
+def refuse(message: str):
+    """A record, run directory or flag that cannot be used: one line on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def run_name(estimator: str, seed: int) -> str:
     return f"{estimator}-seed{seed}"
+
+
+def read_json(path: str) -> dict:
+    """A record, summary or config; a damaged one is refused by name."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:  # json.JSONDecodeError
+        refuse(f"{path} is damaged ({e}); delete it to make it again")
 
 
 def training_curve(run_path: str, tag: str = "rollout/success") -> list[float]:
@@ -99,38 +116,40 @@ def training_curve(run_path: str, tag: str = "rollout/success") -> list[float]:
 
 def make_record(summary_file: str, script: str, estimator: str, seed: int, split: str,
                 eval_num_tasks: int, flags: list[str]) -> dict:
-    """What the tables read of a finished run: its evaluations, training success per iteration
-    and minutes (from its config written, after the model loaded, to its summary written). The
-    run's config.json must show the run asked for: a run directory is never taken on trust."""
+    """What the tables read of a finished run: its evaluations, training success per iteration,
+    minutes (the run's own clock, from its model loaded to its end, over a resume too), the
+    commit, torch version and threads it ran with. The run's config.json must show the run asked
+    for: a run directory is never taken on trust."""
     run_path = os.path.dirname(summary_file)
-    with open(summary_file) as f:
-        summary = json.load(f)
-    with open(os.path.join(run_path, "config.json")) as f:
-        config = json.load(f)
+    summary = read_json(summary_file)
+    config = read_json(os.path.join(run_path, "config.json"))
     ran = config["args"]
     wanted = {"advantage": estimator, "seed": seed, "eval_splits": [split],
               "eval_num_tasks": eval_num_tasks}
     for key, value in wanted.items():
         if ran.get(key) != value:
-            raise SystemExit(f"{run_path} ran {key} {ran.get(key)!r}, not {value!r}")
+            refuse(f"{run_path} ran {key} {ran.get(key)!r}, not {value!r}")
     if os.path.basename(script) not in config["command"]:
-        raise SystemExit(f"{run_path} is a run of {config['command']!r}, not of {script}")
+        refuse(f"{run_path} is a run of {config['command']!r}, not of {script}")
     if shlex.join(flags) not in config["command"]:
-        raise SystemExit(f"{run_path} ran {config['command']!r}, not with the flags "
-                         f"{shlex.join(flags)!r}")
+        refuse(f"{run_path} ran {config['command']!r}, not with the flags {shlex.join(flags)!r}")
     now = resolved_args(script, config["command"])
     changed = [f"--{k.replace('_', '-')} {ran.get(k)!r} (now {now[k]!r})" for k in sorted(now)
                if k not in MACHINE and json.dumps(now[k]) != json.dumps(ran.get(k))]
     if changed:
-        raise SystemExit(f"{run_path} ran with {', '.join(changed)}: {script} resolves the same "
-                         "command differently today (a default changed since). Delete the run "
-                         "directory to run it again.")
-    seconds = os.path.getmtime(summary_file) - os.path.getmtime(os.path.join(run_path,
-                                                                              "config.json"))
+        refuse(f"{run_path} ran with {', '.join(changed)}: {script} resolves the same command "
+               "differently today (a default changed since). Delete the run directory to run it "
+               "again.")
+    if "minutes" in summary:  # the run's own clock: the work a resume kept, not the waiting
+        minutes = summary["minutes"]
+    else:  # a run from before the clock: its config written, after the model loaded, to its end
+        seconds = os.path.getmtime(summary_file) - os.path.getmtime(os.path.join(run_path,
+                                                                                  "config.json"))
+        minutes = seconds / 60
     return {"script": script, "estimator": estimator, "seed": seed, "split": split,
             "eval_num_tasks": eval_num_tasks, "flags": flags, "command": config["command"],
             **{key: config.get(key, "not recorded") for key in ("commit", "torch", "threads")},
-            "minutes": seconds / 60, "evaluations": summary["evaluations"],
+            "minutes": minutes, "evaluations": summary["evaluations"],
             "train_success": training_curve(run_path)}
 
 
@@ -139,17 +158,38 @@ MACHINE = ("resume", "iterations", "device", "env_workers", "process_timeout_min
            "deterministic")
 
 
+def script_module(script: str):
+    """The method script as a module: its parse_args, validate_args and Args."""
+    import importlib
+
+    return importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+
+
 def resolved_args(script: str, command: str) -> dict:
     """The settings `script` gives a run's command line today, as its config.json stores them."""
     import dataclasses
-    import importlib
 
     argv = shlex.split(command)
     argv = argv[next(i for i, a in enumerate(argv) if a.endswith(os.path.basename(script))) + 1:]
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-    module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
-    return json.loads(json.dumps(dataclasses.asdict(module.parse_args(argv))))
+    return json.loads(json.dumps(dataclasses.asdict(script_module(script).parse_args(argv))))
+
+
+def flag_errors(script: str, estimators: list[str], seeds: list[int], split: str,
+                flags: list[str]) -> list[str]:
+    """What the script would refuse in any of the runs, found before the first starts: an
+    estimator that is not a value of its --advantage, a bad seed, a bad flag after --."""
+    from common.config import choices
+
+    module = script_module(script)
+    allowed = choices(module.Args, "advantage")
+    errors = [f"--estimators {e}: {script}'s --advantage takes {', '.join(allowed)}"
+              for e in estimators if e not in allowed]
+    errors += [f"--seeds {s}: a seed is in [0, 2**32)" for s in seeds if not 0 <= s < 2 ** 32]
+    for estimator in estimators:  # an estimator may have presets of its own
+        if estimator in allowed:
+            args = module.parse_args(["--advantage", estimator, "--eval-splits", split, *flags])
+            errors += [f"{script} {' '.join(flags)}: {e}" for e in module.validate_args(args)]
+    return list(dict.fromkeys(errors))
 
 
 def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: int,
@@ -158,14 +198,18 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
     runs_dir, else the run is started there (its log beside it) and then recorded."""
     record_file = os.path.join(records_dir, run_name(estimator, seed) + ".json")
     if os.path.isfile(record_file):
-        with open(record_file) as f:
-            record = json.load(f)
-        wanted = {"script": script, "split": split, "eval_num_tasks": eval_num_tasks,
-                  "flags": flags}
+        record = read_json(record_file)
+        wanted = {"script": script, "estimator": estimator, "seed": seed, "split": split,
+                  "eval_num_tasks": eval_num_tasks, "flags": flags}
         for key, value in wanted.items():
             if record.get(key) != value:
-                raise SystemExit(f"{record_file} was run with {key} {record.get(key)!r}, not "
-                                 f"{value!r}: choose another --results")
+                refuse(f"{record_file} was run with {key} {record.get(key)!r}, not {value!r}: a "
+                       "record filed in the wrong place, or another --results")
+        command = shlex.split(record.get("command", ""))
+        if (_last_value(command, "--advantage"), _last_value(command, "--seed")) != (
+                estimator, str(seed)):
+            refuse(f"{record_file}: its command {record.get('command')!r} is not {estimator} "
+                   f"seed {seed}'s")
         print(f"  {run_name(estimator, seed)}: recorded", flush=True)
         return record
     run_dir = os.path.join(runs_dir, run_name(estimator, seed))
@@ -191,8 +235,7 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
         summaries = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")))
     record = make_record(summaries[-1], script, estimator, seed, split, eval_num_tasks, flags)
     os.makedirs(records_dir, exist_ok=True)
-    with open(record_file, "w") as f:
-        json.dump(record, f, indent=1)
+    write_json(record_file, record)  # whole or not at all
     evaluations = record["evaluations"]
     start, end = evaluations["0"], evaluations[max(evaluations, key=int)]
     print(f"  start {start[f'eval_{split}/success']:.3f} -> end {end[f'eval_{split}/success']:.3f}"
@@ -380,6 +423,9 @@ def main(argv: list[str]) -> str:
                 os.path.abspath(os.path.join(args.runs, where)))
 
     flags, records_dir, runs_dir = places(args.script)
+    errors = flag_errors(args.script, args.estimators, args.seeds, args.split, flags)
+    if errors:
+        parser.error("\n".join(errors))
     results: dict[str, dict[int, dict]] = {}
     for estimator in args.estimators:
         script = args.script

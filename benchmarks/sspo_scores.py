@@ -69,6 +69,11 @@ def main(argv: list[str]) -> str:
     parser.add_argument("--first", type=int, default=5, help="first iteration averaged (5)")
     parser.add_argument("--last", type=int, default=8, help="last iteration averaged (8)")
     args = parser.parse_args(argv)
+    if not 1 <= args.first <= args.last:
+        parser.error("--first and --last must satisfy 1 <= first <= last")
+    for run_dir in args.runs:
+        if not glob.glob(os.path.join(run_dir, "*", "checkpoint", "trainer_state.pt")):
+            parser.error(f"{run_dir}: no run with a checkpoint in it (an --run-dir of sspo.py?)")
     header = ["run", *TAGS.values(), "S of states on 8-12 paths with a win"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for run_dir in args.runs:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import resource
 import subprocess
@@ -266,8 +267,9 @@ def main(argv: list[str]) -> str:
         bad.append(f"--update-batch must be >= 0 (got {args.update_batch})")
     if args.layers is not None and args.layers < 1:
         bad.append(f"--layers must be >= 1 (got {args.layers})")
-    if args.bandwidth_gbs is not None and args.bandwidth_gbs <= 0:
-        bad.append(f"--bandwidth-gbs must be > 0 (got {args.bandwidth_gbs})")
+    if args.bandwidth_gbs is not None and not (math.isfinite(args.bandwidth_gbs)
+                                               and args.bandwidth_gbs > 0):
+        bad.append(f"--bandwidth-gbs must be finite and > 0 (got {args.bandwidth_gbs})")
     if args.new_tokens == 1:
         bad.append("--new-tokens must be >= 2 (decoding is timed as the call minus its first "
                    "token)")

@@ -14,12 +14,13 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import typing
 from dataclasses import asdict, fields, replace
 
 import envs
-from common import UsageError
+from common import RunStopped, UsageError
 
 OVERRIDABLE = ("iterations", "device", "process_timeout_minutes")  # what --resume may change
 
@@ -78,8 +79,19 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
     if not os.path.isfile(config_file):
         raise UsageError(f"--resume {known.resume}: no config.json in it (not a run directory of "
                          "this script?)")
-    with open(config_file) as f:
-        saved = {**(old_defaults or {}), **json.load(f)["args"]}
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+        saved = {**(old_defaults or {}), **config["args"]}
+        command = shlex.split(config.get("command", ""))
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise UsageError(f"--resume {known.resume}: {config_file} is damaged ({type(e).__name__}: "
+                         f"{e})") from None
+    script = os.path.basename(sys.modules[Args.__module__].__file__)
+    ran = next((os.path.basename(a) for a in command if a.endswith(".py")), None)
+    if ran is not None and ran != script:
+        raise UsageError(f"--resume {known.resume}: a run of {ran}, not of {script}; resume it "
+                         f"with {ran}")
     unknown = sorted(set(saved) - {f.name for f in fields(Args)})
     if unknown:
         raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
@@ -181,13 +193,13 @@ def errors(args, ranges: dict[str, str]) -> list[str]:
 
 def run_command_line(main, parse_args) -> None:
     """`python <script>.py ...`: main(parse_args(its flags)). A bad flag or value (UsageError)
-    ends with one line on stderr and exit status 2, a non-finite loss (FloatingPointError) with
-    exit status 1."""
+    ends with one line on stderr and exit status 2, a non-finite loss (FloatingPointError) or a
+    run that cannot go on (RunStopped) with exit status 1."""
     try:
         main(parse_args(sys.argv[1:]))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except FloatingPointError as e:
+    except (FloatingPointError, RunStopped) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -194,6 +194,23 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str | li
     return get_peft_model(model, config)
 
 
+def check_lora_targets(model, target_modules: str) -> None:
+    """A UsageError unless every name of a comma-separated --lora-target-modules names modules of
+    `model` (as PEFT matches a list: the whole module name or its last parts); all-linear
+    passes."""
+    if target_modules == "all-linear":
+        return
+    names = [name for name, _ in model.named_modules()]
+    unknown = [t for t in target_modules.split(",")
+               if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise UsageError(f"--lora-target-modules {target_modules}: no module named "
+                         f"{', '.join(unknown)} in the model; its linear layers: "
+                         f"{', '.join(linear)} (or all-linear)")
+
+
 def load_lora(model, path: str):
     """Attach a saved adapter (trainable) to a base model."""
     from peft import PeftModel

@@ -14,6 +14,11 @@ Run(), keep_base and save wait for the others (a call on one process only would 
     run.save(model, base_model, iteration, history, optimizer=optimizer, generator=generator)
     summary = run.finish(history)
 
+A checkpoint is written whole into checkpoint-<iteration>/ and then made the run's checkpoint in
+one step: the link checkpoint -> checkpoint-<iteration> is replaced by a rename. A run killed at
+any moment, a save included, keeps its last complete checkpoint. A run holds its directory's lock
+(.lock) while it runs: a second run never shares a directory, and a run still going is not resumed.
+
 The iteration's clocks: `with timer("generation"):` anywhere adds the block's seconds to one
 clock, and timings() reads them all out (time/generation_seconds, ...) and sets them to 0.
 """
@@ -21,11 +26,13 @@ clock, and timings() reads them all out (time/generation_seconds, ...) and sets 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -37,8 +44,8 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
-from common import UsageError
-from common.model import load_model_and_tokenizer, resolve_model_name
+from common import RunStopped, UsageError
+from common.model import check_lora_targets, load_model_and_tokenizer, resolve_model_name
 
 
 def seed_everything(seed: int, deterministic: bool = True) -> None:
@@ -140,6 +147,34 @@ def _set_state(thing, state) -> None:
         thing.load_state_dict(state)
 
 
+def write_json(path: str, value) -> None:
+    """`value` as JSON at `path`, whole or not at all: written beside it, then renamed over it."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def _flush_tree(path: str, files: bool = True) -> None:
+    """Every file under `path` (with files) and the directory itself on disk, not only in the
+    page cache: what a rename then points to survives a crash of the machine too."""
+    if files:
+        for folder, _, names in os.walk(path):
+            for name in names:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Run:
     """runs/<exp-name>__<env>__<method>__<seed>__<time>, or the --resume directory; with --resume,
     `state` is its checkpoint's trainer_state.pt, checked before anything is written."""
@@ -150,15 +185,51 @@ class Run:
         name = f"{args.exp_name}__{args.env}__{method}__{args.seed}__{int(time.time())}"
         name = broadcast_object_list([name])[0]  # the main process's clock names the run
         self.path = args.resume or os.path.join(args.run_dir, name)
-        self.checkpoint = os.path.join(self.path, "checkpoint")
-        self.writer = None
-        self.state = self._resume_state() if args.resume else None
+        self.checkpoint = os.path.join(self.path, "checkpoint")  # the link to the last one
+        self.writer, self.lock, self.began, self.seconds = None, None, None, 0.0
+        self.config = None  # config.json's content while it waits to be written
+        if args.resume:
+            self._take_lock()  # before anything is read: a run still going is not resumed
+            self.state = self._resume_state()
+        else:
+            self.state = None
+            self._check_run_dir()
+
+    def _check_run_dir(self) -> None:
+        """--run-dir must be, or be creatable as, a writable directory (before the model loads)."""
+        run_dir = self.args.run_dir
+        existing = os.path.abspath(run_dir)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise UsageError(f"--run-dir {run_dir}: {existing} is a file, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise UsageError(f"--run-dir {run_dir}: {existing} is not writable")
+
+    def _take_lock(self) -> None:
+        """The main process holds the run directory's .lock until it exits (the system frees it
+        whatever the way out, kill -9 included)."""
+        if not self.dist.is_main_process:
+            return
+        self.lock = open(self.file(".lock"), "a")
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock.close()
+            raise UsageError(f"--resume {self.path}: the run is still going (another process "
+                             "holds its .lock); stop it first, or wait for it") from None
 
     def _resume_state(self) -> dict:
         resume, file = self.args.resume, os.path.join(self.checkpoint, "trainer_state.pt")
         if not os.path.isfile(file):
             raise UsageError(f"--resume {resume}: no checkpoint/trainer_state.pt in it")
-        state = torch.load(file, weights_only=False)
+        if not os.path.isfile(os.path.join(self.checkpoint, "adapter_config.json")):
+            raise UsageError(f"--resume {resume}: its checkpoint has no adapter_config.json")
+        try:
+            state = torch.load(file, weights_only=False)
+        except Exception as e:  # a file damaged by hand or by the disk: torch's error names none
+            raise UsageError(f"--resume {resume}: {file} cannot be read ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
         if "streams" not in state:  # saved by one process before data parallel existed
             state["streams"] = [{"python": state["python_rng"], "numpy": state["numpy_rng"],
                                  "torch": state["torch_rng"], "cuda": state["cuda_rng"]}]
@@ -183,13 +254,16 @@ class Run:
 
     def load_model(self, vocabulary: list[str] | None = None):
         """(model, tokenizer): --model, or on --resume the start model the run saved
-        (keep_base), in bfloat16 on a GPU and float32 on a CPU."""
+        (keep_base), in bfloat16 on a GPU and float32 on a CPU; --lora-target-modules checked
+        against it."""
         args = self.args
         base = self.file("base_model")
         name = base if args.resume and os.path.isdir(base) else args.model
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-        return load_model_and_tokenizer(name, vocabulary=vocabulary, seed=args.seed,
-                                        dtype=dtype, device=self.device)
+        model, tokenizer = load_model_and_tokenizer(name, vocabulary=vocabulary, seed=args.seed,
+                                                    dtype=dtype, device=self.device)
+        check_lora_targets(model, args.lora_target_modules)  # before the directory exists
+        return model, tokenizer
 
     def keep_base(self, model, tokenizer) -> str:
         """The start model's name for the adapter's config: --model's, or, when the start exists
@@ -204,11 +278,18 @@ class Run:
 
     def open(self) -> None:
         """The run directory, its config.json (the command, every setting, the commit, torch's
-        version and threads; a resume adds its command to the first's), and the loggers."""
+        version and threads; a resume adds its command to the first's at its first save: a
+        resume that fails before it leaves the run as it was), and the loggers."""
+        if self.dist.is_main_process and not self.args.resume:
+            self.path = self._new_directory()
+            self._take_lock()
+        self.path = broadcast_object_list([self.path])[0]
+        self.checkpoint = self.file("checkpoint")
+        self.began = time.time()  # the clock of summary.json's minutes: work, not waiting
+        self.seconds = self.state.get("seconds", 0.0) if self.state else 0.0
         if not self.dist.is_main_process:
             return
         args = self.args
-        os.makedirs(self.path, exist_ok=True)
         config_file = self.file("config.json")
         command = shlex.join([sys.executable, *sys.argv])
         record = {"command": command, "args": asdict(args), "resumed_by": [],
@@ -218,8 +299,9 @@ class Run:
             with open(config_file) as f:
                 record = {**json.load(f), "args": asdict(args)}
             record["resumed_by"] = record.get("resumed_by", []) + [command]
-        with open(config_file, "w") as f:
-            json.dump(record, f, indent=1)
+        self.config = record
+        if not args.resume:
+            write_json(config_file, record)
         if args.track:
             import wandb
 
@@ -227,9 +309,24 @@ class Run:
                        config=asdict(args), dir=self.path, sync_tensorboard=True)
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(self.path)
+        # A resumed run's events from its last checkpoint on replace those the stopped run logged
+        # after it (TensorBoard's purge): every iteration keeps one value, the resumed run's.
+        purge = self.state["iteration"] + 1 if self.state else None
+        self.writer = SummaryWriter(self.path, purge_step=purge)
         self.writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
             f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
+
+    def _new_directory(self) -> str:
+        """The run's own directory: its name, or with -2, -3, ... when a run started in the same
+        second took it (mkdir is atomic: two runs never get one directory)."""
+        path, k = self.path, 1
+        while True:
+            try:
+                os.makedirs(path)
+                return path
+            except FileExistsError:
+                k += 1
+                path = f"{self.path}-{k}"
 
     def log(self, stats: dict, step: int) -> None:
         if self.writer is not None:
@@ -259,11 +356,31 @@ class Run:
         process's random streams."""
         streams = gather_object([random_streams()])
         if self.dist.is_main_process:
-            path, args = self.checkpoint, self.args
-            for name, adapter in [("", model), *(adapters or {}).items()]:
+            try:
+                self._write_checkpoint(model, base_model, iteration, history, adapters,
+                                       trainer_state, streams)
+            except OSError as e:  # a full disk, a lost mount: the last checkpoint is intact
+                raise RunStopped(f"iteration {iteration}: the checkpoint could not be written "
+                                 f"({e}); the last complete one is {self.checkpoint}") from None
+        self.dist.wait_for_everyone()
+
+    def _write_checkpoint(self, model, base_model: str, iteration: int, history: dict,
+                          adapters: dict | None, trainer_state: dict, streams: list) -> None:
+        """checkpoint-<iteration>/ written whole and flushed to disk, then the checkpoint link
+        switched to it by one rename, then the older checkpoint-*/ (and any a killed save left)
+        removed."""
+        args, name = self.args, f"checkpoint-{iteration}"
+        path = self.file(name)
+        if self.config is not None:  # a resume's command joins config.json with its first save
+            write_json(self.file("config.json"), self.config)
+            self.config = None
+        shutil.rmtree(path, ignore_errors=True)  # a save of this iteration that was killed
+        try:
+            for name_, adapter in [("", model), *(adapters or {}).items()]:
                 if adapter is not None:
                     adapter.peft_config["default"].base_model_name_or_path = base_model
-                    adapter.save_pretrained(os.path.join(path, name), save_embedding_layers=False)
+                    adapter.save_pretrained(os.path.join(path, name_),
+                                            save_embedding_layers=False)
             with open(os.path.join(path, "README.md"), "w") as f:  # PEFT's is empty
                 f.write(f"""---
 base_model: {base_model}
@@ -277,13 +394,28 @@ seed {args.seed}. The run's configuration is in ../config.json. To load the poli
 ```python
 from common.model import load_lora, load_model_and_tokenizer  # this repository's common/
 model, tokenizer = load_model_and_tokenizer("{base_model}")
-policy = load_lora(model, "{os.path.abspath(path)}")
+policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
 ```
 """)
-            state = {name: _state_of(thing) for name, thing in trainer_state.items()}
-            torch.save({**state, "iteration": iteration, "history": history, "streams": streams},
-                       os.path.join(path, "trainer_state.pt"))
-        self.dist.wait_for_everyone()
+            state = {key: _state_of(thing) for key, thing in trainer_state.items()}
+            seconds = self.seconds + time.time() - self.began
+            torch.save({**state, "iteration": iteration, "history": history, "streams": streams,
+                        "seconds": seconds}, os.path.join(path, "trainer_state.pt"))
+            _flush_tree(path)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        link = self.file(".checkpoint.link")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(link)
+        os.symlink(name, link)
+        if os.path.isdir(self.checkpoint) and not os.path.islink(self.checkpoint):
+            os.rename(self.checkpoint, self.file("checkpoint-before-links"))  # an older run's
+        os.replace(link, self.checkpoint)  # the one step: the new checkpoint is the run's
+        _flush_tree(self.path, files=False)
+        for old in os.listdir(self.path):
+            if old.startswith("checkpoint-") and old != name:
+                shutil.rmtree(self.file(old), ignore_errors=True)
 
     def finish(self, history: dict) -> dict:
         """Closes the loggers, writes summary.json and prints the headline: start, final and best
@@ -300,11 +432,13 @@ policy = load_lora(model, "{os.path.abspath(path)}")
         summary = {"start_success": history.get(0, {}).get(key),
                    "final_success": history[max(history)][key],
                    "best_success": max(h[key] for h in history.values() if key in h),
-                   "run_path": self.path}
+                   "run_path": self.path,
+                   "minutes": (self.seconds + time.time() - self.began) / 60}
         if self.dist.is_main_process:
-            with open(self.file("summary.json"), "w") as f:
-                evaluations = {str(k): v for k, v in sorted(history.items())}
-                json.dump({**summary, "evaluations": evaluations}, f, indent=1)
+            if self.config is not None:  # a resume that had nothing left to save
+                write_json(self.file("config.json"), self.config)
+            evaluations = {str(k): v for k, v in sorted(history.items())}
+            write_json(self.file("summary.json"), {**summary, "evaluations": evaluations})
         start = summary["start_success"]
         start = "n/a (resumed)" if start is None else f"{start:.3f}"
         print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} "

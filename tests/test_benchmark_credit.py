@@ -99,3 +99,17 @@ def test_task_counts_of_a_hand_built_batch():
     assert counts[0].tolist() == [[1, 1], [3, 4], [2, 2], [1, 1]]
     assert counts[1].tolist() == [[0, 0], [0, 0], [0, 0], [0, 0]]
     assert [v for v, _ in figures_with_se(counts)] == [1.0, 0.75, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "nan"], "--temperature must be finite and > 0"),
+    (["--temperature", "inf"], "--temperature must be finite and > 0"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+])
+def test_bad_flags_are_refused_before_any_rollout(argv, message, tmp_path):
+    result = subprocess.run([sys.executable, "benchmarks/credit.py", *argv, "--out",
+                             str(tmp_path / "out")], cwd=ROOT,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()

@@ -155,8 +155,9 @@ def _protocol_from_records(tmp_path, monkeypatch, capsys, script, records):
 
     monkeypatch.setattr(learning, "RESULTS", str(tmp_path / "results"))
     for place_script, name, flags in records:
-        record = {**_record(0.5, 0.6), "script": place_script, "split": "test",
-                  "eval_num_tasks": 0, "flags": PROTOCOL_FLAGS + flags}
+        record = {**_record(0.5, 0.6), "script": place_script, "estimator": name, "seed": 1,
+                  "split": "test", "eval_num_tasks": 0, "flags": PROTOCOL_FLAGS + flags,
+                  "command": f"python {place_script} --advantage {name} --seed 1"}
         place = tmp_path / "results" / "test" / place_script
         place.mkdir(parents=True)
         (place / f"{name}-seed1.json").write_text(json.dumps(record))
@@ -184,3 +185,49 @@ def test_sspo_reads_proxmo_grpo_records(tmp_path, monkeypatch, capsys):
                                  [("sspo.py", "sspo", []), ("proxmo.py", "grpo", [])])
     assert "grpo: proxmo.py's runs (the same update)" in out
     assert re.findall(r"^\| sspo\.py \| (\w+) \| 1 \|", out, re.MULTILINE) == ["sspo", "grpo"]
+
+
+def test_a_record_filed_under_another_run_is_refused_by_name(tmp_path, monkeypatch, capsys):
+    """rloo's record copied over iStar's: its content names another estimator (and its command
+    another run), so the table is not built from it; exit status 2, the file named."""
+    import learning
+
+    monkeypatch.setattr(learning, "RESULTS", str(tmp_path / "results"))
+    place = tmp_path / "results" / "test" / "istar.py"
+    place.mkdir(parents=True)
+    record = {**_record(0.5, 0.6), "script": "istar.py", "estimator": "rloo", "seed": 1,
+              "split": "test", "eval_num_tasks": 0, "flags": PROTOCOL_FLAGS,
+              "command": "python istar.py --advantage rloo --seed 1"}
+    (place / "istar-seed1.json").write_text(json.dumps(record))
+    argv = ["--script", "istar.py", "--estimators", "istar", "--seeds", "1", "--finished-only",
+            "--runs", str(tmp_path / "runs")]
+    with pytest.raises(SystemExit) as stop:
+        learning.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "istar-seed1.json was run with estimator 'rloo', not 'istar'" in err
+    (place / "istar-seed1.json").write_text(json.dumps({**record, "estimator": "istar"}))
+    with pytest.raises(SystemExit) as stop:
+        learning.main(argv)
+    assert stop.value.code == 2 and "is not istar seed 1's" in capsys.readouterr().err
+    (place / "istar-seed1.json").write_text('{"script": "istar.py", ')
+    with pytest.raises(SystemExit) as stop:
+        learning.main(argv)
+    assert stop.value.code == 2 and "istar-seed1.json is damaged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--estimators", "proxmo", "bogus"], "--estimators bogus: proxmo.py's --advantage takes"),
+    (["--seeds", "1", "-1"], "--seeds -1: a seed is in [0, 2**32)"),
+    (["--", "--learning-rate", "nan"], "--learning-rate must be finite"),
+    (["--", "--group-size", "0"], "--group-size must be >= 1"),
+])
+def test_every_estimator_seed_and_flag_is_checked_before_the_first_run(argv, message, tmp_path,
+                                                                       capsys):
+    import learning
+
+    with pytest.raises(SystemExit) as stop:
+        learning.main(["--results", str(tmp_path / "records"), "--runs", str(tmp_path / "runs"),
+                       *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "records").exists()

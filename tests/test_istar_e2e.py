@@ -112,8 +112,12 @@ def test_resume_without_the_prm_is_a_clear_error(tmp_path):
     run(["--iterations", "1", "--run-dir", str(tmp_path), *SMALL], tmp_path)
     (run_path,) = glob.glob(str(tmp_path / "*"))
     os.remove(os.path.join(run_path, "checkpoint", "prm", "adapter_config.json"))
+    with open(os.path.join(run_path, "config.json")) as f:
+        config = f.read()
     result = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
     assert "no checkpoint/prm/" in result.stderr and "Traceback" not in result.stderr
+    with open(os.path.join(run_path, "config.json")) as f:  # a failed resume is not recorded
+        assert f.read() == config
 
 
 def test_help_lists_the_flags(tmp_path):
