@@ -32,6 +32,7 @@ import math
 import os
 import random
 import sys
+import textwrap
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
@@ -53,6 +54,7 @@ import proxmo  # noqa: E402
 import spa  # noqa: E402
 import sspo  # noqa: E402
 from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
+from common.run import code_version  # noqa: E402
 from envs.household import label_progress  # noqa: E402
 
 
@@ -89,13 +91,16 @@ def sign_agreement(credit, progress) -> float:
     return float(np.mean((credit > 0) == (progress > 0))) if len(credit) else float("nan")
 
 
-FIGURES = ("same-state AUC", "sign agreement", "within-trajectory AUC", "within failed")
+FIGURES = ("same-state AUC", "sign agreement", "within-trajectory AUC", "within failed",
+           "same-state AUC, admissible", "sign agreement, admissible")
 
 
 def task_counts(batch: "Batch", credit: list[Tensor]) -> np.ndarray:
     """(tasks, figures, 2): per task of the batch the numerator and denominator of each figure,
     so that a figure over any multiset of tasks is a ratio of sums (what the bootstrap needs).
-    A step whose credit is NaN (an estimator that scored part of the batch) is left out."""
+    A step whose credit is NaN (an estimator that scored part of the batch) is left out. The
+    last two figures count admissible steps alone: an inadmissible step never makes progress, so
+    credit that only tells grounding apart scores well on the first two and not on these."""
     counts = np.zeros((len(batch.task_ids), len(FIGURES), 2))
     for i, traj in enumerate(batch.trajs):
         k = batch.task_index[i]
@@ -103,15 +108,19 @@ def task_counts(batch: "Batch", credit: list[Tensor]) -> np.ndarray:
         p = np.asarray(batch.progress[i], dtype=float)
         if len(c) != len(p):
             raise ValueError(f"trajectory {i}: {len(c)} credits for {len(p)} steps")
+        valid = np.array([s["valid"] for s in traj["steps"]], dtype=bool)[~np.isnan(c)]
         c, p = c[~np.isnan(c)], p[~np.isnan(c)]
         counts[k, 1] += ((c > 0) == (p > 0)).sum(), len(p)
+        counts[k, 5] += ((c[valid] > 0) == (p[valid] > 0)).sum(), valid.sum()
         counts[k, 2] += _pair_counts(c, p)
         if not traj["won"]:
             counts[k, 3] += _pair_counts(c, p)
     for k, rows in batch.same_state:  # the steps from one true state of one task group
         c = np.array([float(credit[i][t]) for i, t in rows])
         p = np.array([batch.progress[i][t] for i, t in rows], dtype=float)
+        valid = np.array([batch.trajs[i]["steps"][t]["valid"] for i, t in rows], dtype=bool)
         counts[k, 0] += _pair_counts(c[~np.isnan(c)], p[~np.isnan(c)])
+        counts[k, 4] += _pair_counts(c[valid & ~np.isnan(c)], p[valid & ~np.isnan(c)])
     return counts
 
 
@@ -556,24 +565,33 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """One bar group per estimator, a bar per figure with its SE, the 0.5 of no information."""
+    """A panel per figure, a horizontal bar per estimator (top to bottom in the table's order)
+    with its SE; the reference rows (no method: the oracle, admissible steps) in grey and marked;
+    the 0.5 of no information dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 2), 4.0))
-    width = 0.8 / len(FIGURES)
-    for f, name in enumerate(FIGURES):
-        xs = [r + (f - (len(FIGURES) - 1) / 2) * width for r in range(len(rows))]
-        ax.bar(xs, [row["figures"][f][0] for row in rows], width,
-               yerr=[row["figures"][f][1] for row in rows], capsize=2, label=name)
-    ax.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(rows)), [LABELS[row["name"]].split(" (")[0] for row in rows])
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("share of pairs / steps")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, ncol=len(FIGURES), loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    labels = [LABELS[row["name"]] for row in rows]
+    reference = ["(reference" in label for label in labels]
+    fig, axes = plt.subplots(1, len(FIGURES), sharey=True,
+                             figsize=(16.0, 1.4 + 0.32 * len(rows)))
+    ys = np.arange(len(rows))
+    for f, (ax, name) in enumerate(zip(axes, FIGURES)):
+        values = [row["figures"][f][0] for row in rows]
+        errors = [0.0 if np.isnan(row["figures"][f][1]) else row["figures"][f][1]
+                  for row in rows]
+        colors = ["0.6" if ref else "C0" for ref in reference]
+        ax.barh(ys, values, xerr=errors, color=colors, capsize=2, height=0.7)
+        ax.axvline(0.5, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xlim(0, 1)
+        ax.set_title(name, fontsize=9)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[0].set_yticks(ys, labels, fontsize=7)
+    axes[0].invert_yaxis()  # the table's first row on top
+    fig.suptitle(textwrap.fill(title, 180) + "\ngrey: references, not methods; dashed: 0.5, no "
+                 "information", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -635,7 +653,8 @@ def main(argv: list[str]) -> list[dict]:
                f"episodes, success {won:.3f}, {len(steps)} steps (progress > 0: "
                f"{np.mean(np.array(steps) > 0):.3f}, so credit <= 0 everywhere agrees in sign "
                f"{np.mean(np.array(steps) <= 0):.3f}), {len(batch.same_state)} states with more "
-               f"than one step")
+               f"than one step; commit {code_version()}, torch {torch.__version__}, "
+               f"{torch.get_num_threads()} threads")
     print(f"{summary} [{time.time() - began:.0f}s]", flush=True)
     rows = []
     for name in args.estimators:

@@ -45,11 +45,13 @@ def test_sign_agreement_by_hand():
 
 
 def test_bootstrap_over_identical_tasks_has_no_spread():
-    counts = np.tile(np.array([[3, 4], [6, 10], [1, 2], [0, 0]], dtype=float), (5, 1, 1))
+    counts = np.tile(np.array([[3, 4], [6, 10], [1, 2], [0, 0], [1, 4], [0, 0]], dtype=float),
+                     (5, 1, 1))
     figures = figures_with_se(counts, resamples=50)
-    assert [v for v, _ in figures[:3]] == [0.75, 0.6, 0.5]
-    assert [se for _, se in figures[:3]] == pytest.approx([0.0, 0.0, 0.0], abs=1e-12)
-    assert math.isnan(figures[3][0]) and math.isnan(figures[3][1])   # no pair at all
+    assert [figures[f][0] for f in (0, 1, 2, 4)] == [0.75, 0.6, 0.5, 0.25]
+    assert [figures[f][1] for f in (0, 1, 2, 4)] == pytest.approx([0.0] * 4, abs=1e-12)
+    for f in (3, 5):  # no pair, no step at all
+        assert math.isnan(figures[f][0]) and math.isnan(figures[f][1])
 
 
 def test_a_replayed_expert_game_is_progress_one_at_every_step():
@@ -88,17 +90,24 @@ def test_the_benchmark_runs_at_a_tiny_size(tmp_path):
 def test_task_counts_of_a_hand_built_batch():
     # task 0: a won and a lost episode whose first steps leave one state; task 1: one step that
     # the estimator did not score (NaN), left out
+    def steps(*valid):
+        return [{"valid": v} for v in valid]
     batch = Batch(args=None, model=None, tokenizer=None,
-                  trajs=[{"won": True}, {"won": False}, {"won": False}], tasks=[7, 7, 9],
+                  trajs=[{"won": True, "steps": steps(True, True)},
+                         {"won": False, "steps": steps(True, False)},
+                         {"won": False, "steps": steps(False)}], tasks=[7, 7, 9],
                   task_ids=[7, 9], task_index=[0, 0, 1], progress=[[1, 0], [0, 1], [-1]],
                   same_state=[(0, [(0, 0), (1, 0)])])
     credit = [torch.tensor([2.0, 1.0]), torch.tensor([-1.0, 3.0]), torch.tensor([float("nan")])]
     counts = task_counts(batch, credit)
     # same state: 2 (progress 1) > -1 (progress 0); signs: 3 of 4 agree (step 2 of episode 0
-    # has credit 1 and no progress); within: 2 > 1 and 3 > -1; within failed: episode 1 only
-    assert counts[0].tolist() == [[1, 1], [3, 4], [2, 2], [1, 1]]
-    assert counts[1].tolist() == [[0, 0], [0, 0], [0, 0], [0, 0]]
-    assert [v for v, _ in figures_with_se(counts)] == [1.0, 0.75, 1.0, 1.0]
+    # has credit 1 and no progress); within: 2 > 1 and 3 > -1; within failed: episode 1 only.
+    # Admissible steps alone: the same-state pair is admissible; signs: of episode 0's two steps
+    # one agrees, episode 1's first (credit -1, progress 0) agrees, its second is inadmissible.
+    assert counts[0].tolist() == [[1, 1], [3, 4], [2, 2], [1, 1], [1, 1], [2, 3]]
+    assert counts[1].tolist() == [[0, 0]] * 6
+    assert [v for v, _ in figures_with_se(counts)] == pytest.approx([1.0, 0.75, 1.0, 1.0, 1.0,
+                                                                     2 / 3])
 
 
 @pytest.mark.parametrize("argv, message", [
