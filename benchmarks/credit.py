@@ -53,9 +53,9 @@ import istar  # noqa: E402
 import proxmo  # noqa: E402
 import spa  # noqa: E402
 import sspo  # noqa: E402
-from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
+from common.model import add_lora, load_model_and_tokenizer, response_logprobs  # noqa: E402
 from common.run import code_version  # noqa: E402
-from envs.household import label_progress  # noqa: E402
+from envs.household import HouseholdEnv, generate_task, label_progress  # noqa: E402
 
 
 # ---- 1. The figures -----------------------------------------------------------------------------
@@ -186,15 +186,19 @@ class Batch:
 
 
 def collect(num_tasks: int, group_size: int, seed: int, temperature: float | None = None,
-            max_episode_steps: int | None = None, budget: Budget | None = None) -> Batch:
-    """Rollouts of the shared start on `num_tasks` training tasks (drawn with `seed`) x
-    `group_size`, as proxmo.py's first iteration plays them (its tiny preset: temperature, step
-    limit), each step labelled with its progress."""
-    args = replace(proxmo.preset_args("tiny", "household"), seed=seed, group_size=group_size)
+            max_episode_steps: int | None = None, budget: Budget | None = None,
+            model: str = "tiny", history_length: int | None = None) -> Batch:
+    """Rollouts of the start (the shared `tiny`, or `model`, a directory) on `num_tasks` training
+    tasks (drawn with `seed`) x `group_size`, as proxmo.py's first iteration plays them (its tiny
+    preset: temperature, step limit, history), each step labelled with its progress."""
+    args = replace(proxmo.preset_args("tiny", "household"), seed=seed, group_size=group_size,
+                   model=model)
     if temperature is not None:
         args.rollout_temperature = temperature
     if max_episode_steps is not None:
         args.max_episode_steps = max_episode_steps
+    if history_length is not None:
+        args.history_length = history_length
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -217,6 +221,40 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
     same_state = [(k, rows) for (k, _), rows in by_state.items() if len(rows) > 1]
     return Batch(args, model, tokenizer, trajs, tasks, task_ids, groups, progress,
                  same_state, budget or Budget())
+
+
+def stall_expert_probability(batch: Batch, chunk: int = 32) -> tuple[float, float, int]:
+    """Where failed episodes stall: every step of a failed episode after its last step with
+    progress > 0 (all its steps when none had). At each, the probability that the policy, at the
+    rollout temperature, replies with the expert's action (the reply BC taught: proxmo.py's
+    expert_response). Returns (median probability, the share of stall steps where a group of 8
+    samples draws it once in expectation, 8 p >= 1, their number); (nan, nan, 0) without one."""
+    prompts, responses = [], []
+    for traj, task, progress in zip(batch.trajs, batch.tasks, batch.progress):
+        if traj["won"]:
+            continue
+        last = max([t for t, p in enumerate(progress) if p > 0], default=-1)
+        game = HouseholdEnv(generate_task(task), max_steps=batch.args.max_episode_steps)
+        game.reset()
+        for t, step in enumerate(traj["steps"]):
+            expert = game.expert_action()
+            if t > last and expert is not None:
+                reply = proxmo.expert_response(expert, batch.args.reasoning)
+                ids = batch.tokenizer(reply, add_special_tokens=False).input_ids
+                prompts.append(step["prompt"])
+                responses.append(ids + [batch.tokenizer.eos_token_id])
+            game.step(step["action"])
+    if not prompts:
+        return float("nan"), float("nan"), 0
+    logp = []
+    with torch.no_grad():
+        for k in range(0, len(prompts), chunk):
+            lp, mask, _ = response_logprobs(batch.model, prompts[k:k + chunk],
+                                            responses[k:k + chunk], batch.tokenizer.pad_token_id,
+                                            temperature=batch.args.rollout_temperature)
+            logp += (lp * mask).sum(dim=1).tolist()
+    p = np.exp(np.array(logp))
+    return float(np.median(p)), float(np.mean(8 * p >= 1)), len(p)
 
 
 # ---- 3. The estimators: each script's own functions on the batch -------------------------------
@@ -616,6 +654,10 @@ def main(argv: list[str]) -> list[dict]:
                         help="sampling temperature (default: the training temperature)")
     parser.add_argument("--max-episode-steps", type=int, default=None,
                         help="step limit (default: the training limit)")
+    parser.add_argument("--history-length", type=int, default=None,
+                        help="past steps in the prompt (default: the training setting)")
+    parser.add_argument("--model", default="tiny",
+                        help="the start: tiny (shipped) or a directory with a cloned model")
     for name, value in asdict(Budget()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
                             help=f"{BUDGET_HELP[name]} (default {value})")
@@ -640,20 +682,34 @@ def main(argv: list[str]) -> list[dict]:
         parser.error("--seed must be in [0, 2**32)")
     if args.max_episode_steps is not None and args.max_episode_steps < 1:
         parser.error("--max-episode-steps must be >= 1")
+    if args.history_length is not None and args.history_length < 0:
+        parser.error("--history-length must be >= 0")
+    if args.model != "tiny" and not os.path.isdir(args.model):
+        parser.error(f"--model {args.model}: tiny, or a directory with a model in it")
     os.makedirs(args.out, exist_ok=True)
 
     began = time.time()
     budget = Budget(**{name: getattr(args, name) for name in asdict(Budget())})
     batch = collect(args.num_tasks, args.group_size, args.seed, args.temperature,
-                    args.max_episode_steps, budget)
+                    args.max_episode_steps, budget, args.model, args.history_length)
     steps = [p for traj in batch.progress for p in traj]
     won = np.mean([t["won"] for t in batch.trajs])
-    summary = (f"{args.num_tasks} train tasks x {args.group_size}, temperature "
-               f"{batch.args.rollout_temperature}, seed {args.seed}: {len(batch.trajs)} "
-               f"episodes, success {won:.3f}, {len(steps)} steps (progress > 0: "
+    wins = defaultdict(list)
+    for traj, group in zip(batch.trajs, batch.task_index):
+        wins[group].append(traj["won"])
+    mixed = np.mean([0 < sum(w) < len(w) for w in wins.values()])  # a group GRPO can learn from
+    stall_p, stall_drawn, stalls = stall_expert_probability(batch)
+    summary = (f"start {args.model}, {args.num_tasks} train tasks x {args.group_size}, "
+               f"temperature {batch.args.rollout_temperature}, step limit "
+               f"{batch.args.max_episode_steps}, history {batch.args.history_length}, seed "
+               f"{args.seed}: {len(batch.trajs)} "
+               f"episodes, success {won:.3f}, mixed groups {mixed:.3f}, {len(steps)} steps "
+               f"(progress > 0: "
                f"{np.mean(np.array(steps) > 0):.3f}, so credit <= 0 everywhere agrees in sign "
                f"{np.mean(np.array(steps) <= 0):.3f}), {len(batch.same_state)} states with more "
-               f"than one step; commit {code_version()}, torch {torch.__version__}, "
+               f"than one step; at the {stalls} steps where failed episodes stall, the "
+               f"expert's action has median probability {stall_p:.4f} and 8 samples draw it "
+               f"({stall_drawn:.3f} of them); commit {code_version()}, torch {torch.__version__}, "
                f"{torch.get_num_threads()} threads")
     print(f"{summary} [{time.time() - began:.0f}s]", flush=True)
     rows = []
