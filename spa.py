@@ -53,7 +53,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -68,7 +68,7 @@ from torch import Tensor
 
 import envs
 from common import UsageError, config
-from common.dist import (batch_offsets, launch_errors, mean_across_processes, process_share,
+from common.dist import (launch_errors, mean_across_processes, minibatches, process_share,
                          same_start, start_processes, sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
@@ -187,6 +187,14 @@ def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gam
         offsets = np.cumsum([0] + [len(adv) for adv in advantages])
         advantages = [flat[offsets[i]:offsets[i + 1]] for i in range(len(advantages))]
     return advantages, returns
+
+
+def summarize(traj: dict) -> dict:
+    """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
+    keys = ("state", "next_state", "valid", "well_formed", "parsed", "contrib", "value",
+            "step_kl")
+    steps = [{k: s[k] for k in keys if k in s} for s in traj["steps"]]
+    return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
 
 
 def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list]:
@@ -494,8 +502,10 @@ def policy_forward(model, value_head, prompts: list[list[int]], responses: list[
 class Args:
     """SPA (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
 
-    Defaults are the tiny model's; PRESETS below holds the tiny-scratch and real ones, and
-    --help shows those of the --model given (docs/running.md)."""
+    The defaults --help shows are those a run takes for the --model, --env and --advantage
+    given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
+    other (real) model; the machine and the env set the device (cuda when there is one), the
+    evaluation splits and the env workers (envs/__init__.py)."""
 
     exp_name: str = "spa"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -879,14 +889,6 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
 # ---- 8. Training loop ---------------------------------------------------------------------------
 # Data parallel (common/dist.py): each process plays whole groups and sums its gradients with
 # the others'; `python <script>.py` is one process, and nothing communicates.
-def summarize(traj: dict) -> dict:
-    """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
-    keys = ("state", "next_state", "valid", "well_formed", "parsed", "contrib", "value",
-            "step_kl")
-    steps = [{k: s[k] for k in keys if k in s} for s in traj["steps"]]
-    return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
-
-
 def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) -> None:
     """The scoring passes before the advantages, no gradient: the current policy's log-probs of
     every reply ("old_logprobs", the ratio's denominator) and V(s_t) ("value") in one pass, then
@@ -921,67 +923,73 @@ def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) 
                     steps[i]["step_kl"] = (old - row[:len(old)]).sum().item()
 
 
+class StepSample(NamedTuple):
+    """One step of the batch as the PPO update with a critic reads it."""
+    prompt: list[int]  # token ids
+    response: list[int]  # token ids
+    advantage: float
+    ret: float  # the critic's target, advantage + value
+    old_logprobs: list[float]  # of the response as sampled (or scored, for vLLM)
+    old_value: float  # the critic's value at sampling, for the clipped value loss
+
+
 def policy_update(args: Args, model, value_head, tokenizer, optimizer, samples: list[tuple],
                   generator: torch.Generator, iteration: int) -> dict:
-    """PPO with a critic over the step samples (prompt_ids, response_ids, advantage, return,
-    old_logprobs, old_value): `ppo_epochs` passes of shuffled mini-batches with gradient
-    accumulation; loss = clipped surrogate (token-mean) + vf_coef * clipped value loss
+    """PPO with a critic over the step samples: `ppo_epochs` passes of shuffled mini-batches with
+    gradient accumulation; loss = clipped surrogate (token-mean) + vf_coef * clipped value loss
     (step-mean).
 
     With several processes, `samples` is this process's share, in process order, of one batch:
     the mini-batches are drawn from the whole batch exactly as one process would draw them, each
     process computes the gradient of its members, and the sum over processes is the update."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
-    # Every process's response lengths, in process order: a mini-batch's token count over the
-    # whole batch, and where this process's samples start in it.
-    all_lengths, first = batch_offsets([len(s[1]) for s in samples])
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
-    lengths = [len(s[0]) + len(s[1]) for s in samples]
+    lengths = [len(s.prompt) + len(s.response) for s in samples]
     model.train()
     params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
     stats = defaultdict(list)
-    for epoch in range(args.ppo_epochs):
-        order = torch.randperm(len(all_lengths), generator=generator).tolist()
-        for start in range(0, len(order), args.minibatch_size):
-            members = order[start:start + args.minibatch_size]  # indices into the whole batch
-            n_tokens = sum(all_lengths[i] for i in members)
-            mini = [i - first for i in members if first <= i < first + len(samples)]
-            optimizer.zero_grad(set_to_none=True)
-            minibatch_loss = 0.0
-            # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
-            for idx in length_sorted_chunks(mini, lengths, mb):
-                logp, mask, entropy, values = policy_forward(
-                    model, value_head, [samples[i][0] for i in idx], [samples[i][1] for i in idx],
-                    pad, temperature, with_entropy=args.entropy_coef > 0)
-                mask = mask.to(device)
-                old = pad_rows([samples[i][4] for i in idx], logp.shape[1]).to(device)
-                adv, returns, old_values = (
-                    torch.tensor([samples[i][k] for i in idx], dtype=torch.float32, device=device)
-                    for k in (2, 3, 5))
-                pg_loss = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, entropy,
-                                        args.entropy_coef, args.clip_ratio_c)
-                vf_loss = value_loss(values, old_values, returns, args.value_clip)
-                # token-mean of the policy loss and step-mean of the value loss over the whole
-                # mini-batch
-                pg_share = pg_loss * mask.sum() / n_tokens
-                vf_share = vf_loss.sum() / len(members)
-                share = pg_share + args.vf_coef * vf_share
-                share.backward()
-                minibatch_loss += share.item()
-                with torch.no_grad():
-                    ratio = policy_ratio(logp, old, mask)
-                    clipped = ((ratio - 1).abs() > args.clip_eps).float()
-                    stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
-                    stats["policy_loss"].append(pg_loss.item())
-                    stats["value_loss"].append(vf_loss.mean().item())
-            minibatch_loss = sum_across_processes(params, minibatch_loss)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
-            check_finite(f"iteration {iteration}, PPO epoch {epoch + 1}, mini-batch at {start}",
-                         loss=minibatch_loss, grad_norm=grad_norm)
-            stats["loss"].append(minibatch_loss)
-            stats["grad_norm"].append(grad_norm)
-            optimizer.step()
+    response_lengths = [len(s.response) for s in samples]
+    for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
+        optimizer.zero_grad(set_to_none=True)
+        minibatch_loss = 0.0
+        # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
+        for idx in length_sorted_chunks(mini.mine, lengths, mb):
+            logp, mask, entropy, values = policy_forward(
+                model, value_head, [samples[i].prompt for i in idx],
+                [samples[i].response for i in idx], pad, temperature,
+                with_entropy=args.entropy_coef > 0)
+            mask = mask.to(device)
+            old = pad_rows([samples[i].old_logprobs for i in idx], logp.shape[1]).to(device)
+            adv = torch.tensor([samples[i].advantage for i in idx], dtype=torch.float32,
+                               device=device)
+            returns = torch.tensor([samples[i].ret for i in idx], dtype=torch.float32,
+                                   device=device)
+            old_values = torch.tensor([samples[i].old_value for i in idx], dtype=torch.float32,
+                                      device=device)
+            pg_loss = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, entropy,
+                                    args.entropy_coef, args.clip_ratio_c)
+            vf_loss = value_loss(values, old_values, returns, args.value_clip)
+            # token-mean of the policy loss and step-mean of the value loss over the whole
+            # mini-batch
+            pg_share = pg_loss * mask.sum() / mini.tokens
+            vf_share = vf_loss.sum() / mini.size
+            share = pg_share + args.vf_coef * vf_share
+            share.backward()
+            minibatch_loss += share.item()
+            with torch.no_grad():
+                ratio = policy_ratio(logp, old, mask)
+                clipped = ((ratio - 1).abs() > args.clip_eps).float()
+                stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
+                stats["policy_loss"].append(pg_loss.item())
+                stats["value_loss"].append(vf_loss.mean().item())
+        minibatch_loss = sum_across_processes(params, minibatch_loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        check_finite(f"iteration {iteration}, PPO epoch {mini.epoch + 1}, mini-batch at "
+                     f"{mini.start}", loss=minibatch_loss, grad_norm=grad_norm)
+        stats["loss"].append(minibatch_loss)
+        stats["grad_norm"].append(grad_norm)
+        optimizer.step()
     means = mean_across_processes(stats)  # every process's micro-batches
     return {f"train/{k}": v for k, v in means.items()}
 
@@ -1078,7 +1086,7 @@ def main(args: Args) -> dict:
         print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
               f"(final loss {stats['bc/loss']:.3f})")
         run.log(stats, 0)
-    base_model = run.keep_base(model, tokenizer)  # the start, saved if nowhere else
+    start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
     # SPA's progress estimator starts from the policy's start: a copy, before the policy's adapter.
     pe_start = copy.deepcopy(model) if args.advantage == "spa" else None
     if args.resume:
@@ -1091,7 +1099,7 @@ def main(args: Args) -> dict:
     # Data parallel: every process starts from process 0's weights.
     same_start([*model.parameters(), *value_head.parameters()], args.seed)
 
-    engine = make_vllm_engine(base_model, args) if args.backend == "vllm" else None
+    engine = make_vllm_engine(start_path, args) if args.backend == "vllm" else None
     policy = Policy(args, model, tokenizer, engine)
 
     # Exploration and the progress estimator (Eqs. 5-7), or the one saved before. The new adapter
@@ -1125,7 +1133,7 @@ def main(args: Args) -> dict:
                   f"{fit}")
             run.log(stats, 0)
             if dist.is_main_process:
-                save_progress_estimator(pe_path, pe, pe_head, base_model)
+                save_progress_estimator(pe_path, pe, pe_head, start_path)
         del pe_start
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in model.parameters() if p.requires_grad]},
@@ -1177,8 +1185,8 @@ def main(args: Args) -> dict:
             batch_advantages, batch_returns = compute_advantages(args, batch)
             advantages = batch_advantages[first:first + len(trajs)]
             returns = batch_returns[first:first + len(trajs)]
-        samples = [(s["prompt"], s["response_ids"], float(a), float(g), s["old_logprobs"],
-                    s["value"])
+        samples = [StepSample(s["prompt"], s["response_ids"], float(a), float(g),
+                              s["old_logprobs"], s["value"])
                    for tr, adv, ret in zip(trajs, advantages, returns)
                    for s, a, g in zip(tr["steps"], adv, ret)]
         # (5) the clipped policy update with the critic's value loss (Eq. 10).
@@ -1186,7 +1194,7 @@ def main(args: Args) -> dict:
         with timer("update"):
             stats = policy_update(args, model, value_head, tokenizer, optimizer, samples,
                                   generator, iteration)
-        n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
+        n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
         abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
         steps = [s for tr in batch for s in tr["steps"]]
         values = np.array([s["value"] for s in steps])
@@ -1230,7 +1238,7 @@ def main(args: Args) -> dict:
         if iteration % args.eval_every == 0 or iteration == args.iterations:
             run_eval(iteration)
         if iteration % args.save_every == 0 or iteration == args.iterations:
-            run.save(model, base_model, iteration, history, optimizer=optimizer,
+            run.save(model, start_path, iteration, history, optimizer=optimizer,
                      value_head=value_head, generator=generator, task_rng=task_rng)
     progress.close()
     summary = run.finish(history)

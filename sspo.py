@@ -64,7 +64,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -79,7 +79,7 @@ from torch import Tensor
 
 import envs
 from common import UsageError, config
-from common.dist import (batch_offsets, launch_errors, mean_across_processes, process_share,
+from common.dist import (launch_errors, mean_across_processes, minibatches, process_share,
                          same_start, start_processes, sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
@@ -244,6 +244,12 @@ def grpo_advantages(outcomes: Tensor, eps: float = 1e-6, use_std: bool = True) -
     return centred / (outcomes.std(unbiased=False) + eps) if use_std else centred
 
 
+def summarize(traj: dict) -> dict:
+    """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
+    steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
+    return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
+
+
 def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
     """The GRPO baseline's per-step advantages (T_i,) of every trajectory of a batch, then
     --invalid-action-penalty subtracted from each malformed reply's (proxmo.py's rule)."""
@@ -396,7 +402,7 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict],
                 "keys": node["keys"] + [child["key"]]})
         if n >= 2:  # a group of one proceeds without training
             advantages = group_advantages(rewards, use_std=args.use_std)  # Eq. 4
-            samples += [(prompt, responses[row], float(a), logprobs[row])
+            samples += [StepSample(prompt, responses[row], float(a), logprobs[row])
                         for row, a in zip(rows, advantages)]
         # How much of the group's order Eq. 2's score difference decides: its term
         # (0.5 - w)(S(s_t) - S(s_t+1)) per child (0 at an unvisited state, where w = 0.5), its
@@ -464,8 +470,10 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 class Args:
     """3SPO (and the GRPO baseline) for multi-turn LLM agents.
 
-    Defaults are the tiny model's; PRESETS below holds the tiny-scratch and real ones, and
-    --help shows those of the --model given (docs/running.md)."""
+    The defaults --help shows are those a run takes for the --model, --env and --advantage
+    given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
+    other (real) model; the machine and the env set the device (cuda when there is one), the
+    evaluation splits and the env workers (envs/__init__.py)."""
 
     exp_name: str = "sspo"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -849,45 +857,45 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
 # ---- 8. Training loop ---------------------------------------------------------------------------
 # Data parallel (common/dist.py): each process plays whole groups and sums its gradients with
 # the others'; `python <script>.py` is one process, and nothing communicates.
-def summarize(traj: dict) -> dict:
-    """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
-    steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
-    return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
+class StepSample(NamedTuple):
+    """One step of the batch as the PPO update reads it."""
+    prompt: list[int]  # token ids
+    response: list[int]  # token ids
+    advantage: float
+    old_logprobs: list[float] | None  # of the response as sampled; None: scored in the update
 
 
-def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
+def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSample],
                   generator: torch.Generator, iteration: int) -> dict:
-    """PPO over the step samples (prompt_ids, response_ids, advantage, old_logprobs or None): the
-    old log-probs recorded at sampling time, else scored here, and the reference log-probs first,
-    then `ppo_epochs` passes of shuffled mini-batches with gradient accumulation.
+    """PPO over the step samples: the old log-probs recorded at sampling time, else scored here,
+    and the reference log-probs first, then `ppo_epochs` passes of shuffled mini-batches with
+    gradient accumulation.
 
     With several processes, `samples` is this process's share, in process order, of one batch:
     the mini-batches are drawn from the whole batch exactly as one process would draw them, each
     process computes the gradient of its members, and the sum over processes is the update."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
-    # Every process's response lengths, in process order: a mini-batch's token count over the
-    # whole batch, and where this process's samples start in it.
-    all_lengths, first = batch_offsets([len(s[1]) for s in samples])
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
-    lengths = [len(p) + len(r) for p, r, _, _ in samples]
+    lengths = [len(s.prompt) + len(s.response) for s in samples]
 
     def logprobs_no_grad(reference: bool) -> list[Tensor]:
         out: list[Tensor] = [torch.empty(0)] * len(samples)
         with torch.no_grad():
             for idx in length_sorted_chunks(list(range(len(samples))), lengths, mb):
-                prompts, responses = [samples[i][0] for i in idx], [samples[i][1] for i in idx]
+                prompts = [samples[i].prompt for i in idx]
+                responses = [samples[i].response for i in idx]
                 with model.disable_adapter() if reference else contextlib.nullcontext():
                     lp, _, _ = response_logprobs(model, prompts, responses, pad,
                                                  temperature=temperature)
                 for row, i in zip(lp, idx):
-                    out[i] = row[:len(samples[i][1])]
+                    out[i] = row[:len(samples[i].response)]
         return out
 
     model.eval()  # no dropout when scoring the rollout policy
     with timer("old_logprobs"):
-        if all(s[3] is not None for s in samples):
-            old_logp = [torch.tensor(s[3]) for s in samples]
+        if all(s.old_logprobs is not None for s in samples):
+            old_logp = [torch.tensor(s.old_logprobs) for s in samples]
         else:
             old_logp = logprobs_no_grad(False)
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
@@ -896,43 +904,39 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[tuple],
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
-    for epoch in range(args.ppo_epochs):
-        order = torch.randperm(len(all_lengths), generator=generator).tolist()
-        for start in range(0, len(order), args.minibatch_size):
-            members = order[start:start + args.minibatch_size]  # indices into the whole batch
-            n_tokens = sum(all_lengths[i] for i in members)
-            mini = [i - first for i in members if first <= i < first + len(samples)]
-            optimizer.zero_grad(set_to_none=True)
-            minibatch_loss = 0.0
-            # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
-            for idx in length_sorted_chunks(mini, lengths, mb):
-                logp, mask, entropy = response_logprobs(
-                    model, [samples[i][0] for i in idx], [samples[i][1] for i in idx], pad,
-                    with_entropy=args.entropy_coef > 0, temperature=temperature)
-                mask = mask.to(device)
-                old = pad_rows([old_logp[i] for i in idx], logp.shape[1]).to(device)
-                ref = pad_rows([ref_logp[i] for i in idx], logp.shape[1]).to(device)
-                adv = torch.tensor([samples[i][2] for i in idx], dtype=torch.float32,
-                                   device=device)
-                loss = ppo_clip_loss(logp, old, ref, adv, mask, args.clip_eps, args.kl_coef,
-                                     entropy, args.entropy_coef, args.clip_ratio_c)
-                share = loss * mask.sum() / n_tokens  # token-mean over the whole mini-batch
-                share.backward()
-                minibatch_loss += share.item()
-                with torch.no_grad():
-                    ratio = policy_ratio(logp, old, mask)
-                    clipped = ((ratio - 1).abs() > args.clip_eps).float()
-                    stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
-                    if args.kl_coef > 0:  # else `ref` is the rollout policy, not the reference
-                        kl = (k3_kl(ref, logp, mask) * mask).sum() / mask.sum()
-                        stats["kl_ref"].append(kl.item())
-            minibatch_loss = sum_across_processes(params, minibatch_loss)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
-            check_finite(f"iteration {iteration}, PPO epoch {epoch + 1}, mini-batch at {start}",
-                         loss=minibatch_loss, grad_norm=grad_norm)
-            stats["loss"].append(minibatch_loss)
-            stats["grad_norm"].append(grad_norm)
-            optimizer.step()
+    response_lengths = [len(s.response) for s in samples]
+    for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
+        optimizer.zero_grad(set_to_none=True)
+        minibatch_loss = 0.0
+        # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
+        for idx in length_sorted_chunks(mini.mine, lengths, mb):
+            logp, mask, entropy = response_logprobs(
+                model, [samples[i].prompt for i in idx], [samples[i].response for i in idx], pad,
+                with_entropy=args.entropy_coef > 0, temperature=temperature)
+            mask = mask.to(device)
+            old = pad_rows([old_logp[i] for i in idx], logp.shape[1]).to(device)
+            ref = pad_rows([ref_logp[i] for i in idx], logp.shape[1]).to(device)
+            adv = torch.tensor([samples[i].advantage for i in idx], dtype=torch.float32,
+                               device=device)
+            loss = ppo_clip_loss(logp, old, ref, adv, mask, args.clip_eps, args.kl_coef,
+                                 entropy, args.entropy_coef, args.clip_ratio_c)
+            share = loss * mask.sum() / mini.tokens  # token-mean over the whole mini-batch
+            share.backward()
+            minibatch_loss += share.item()
+            with torch.no_grad():
+                ratio = policy_ratio(logp, old, mask)
+                clipped = ((ratio - 1).abs() > args.clip_eps).float()
+                stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
+                if args.kl_coef > 0:  # else `ref` is the rollout policy, not the reference
+                    kl = (k3_kl(ref, logp, mask) * mask).sum() / mask.sum()
+                    stats["kl_ref"].append(kl.item())
+        minibatch_loss = sum_across_processes(params, minibatch_loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        check_finite(f"iteration {iteration}, PPO epoch {mini.epoch + 1}, mini-batch at "
+                     f"{mini.start}", loss=minibatch_loss, grad_norm=grad_norm)
+        stats["loss"].append(minibatch_loss)
+        stats["grad_norm"].append(grad_norm)
+        optimizer.step()
     means = mean_across_processes(stats)  # every process's micro-batches
     return {f"train/{k}": v for k, v in means.items()}
 
@@ -1088,7 +1092,7 @@ def main(args: Args) -> dict:
         print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
               f"(final loss {stats['bc/loss']:.3f})")
         run.log(stats, 0)
-    base_model = run.keep_base(model, tokenizer)  # the start, saved if nowhere else
+    start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
     if args.resume:
         model = load_lora(model, run.checkpoint)
     else:
@@ -1096,7 +1100,7 @@ def main(args: Args) -> dict:
     model.print_trainable_parameters()
     same_start(list(model.parameters()), args.seed)  # data parallel: process 0's weights
 
-    engine = make_vllm_engine(base_model, args) if args.backend == "vllm" else None
+    engine = make_vllm_engine(start_path, args) if args.backend == "vllm" else None
     policy = Policy(args, model, tokenizer, engine)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -1146,14 +1150,14 @@ def main(args: Args) -> dict:
                 first = my_groups.start * args.group_size
                 batch_advantages = compute_advantages(args, batch)
                 advantages = batch_advantages[first:first + len(trajs)]
-            samples = [(s["prompt"], s["response_ids"], float(a), s["logprobs"])
+            samples = [StepSample(s["prompt"], s["response_ids"], float(a), s["logprobs"])
                        for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
             # (5, 6) old / reference log-probs and the clipped policy-gradient update.
             policy.sleep()  # --vllm-sleep: the engine's memory to the update
             with timer("update"):  # less the scoring passes, timed inside it
                 stats = policy_update(args, model, tokenizer, optimizer, samples, generator,
                                       iteration)
-            n_tokens = sum(gather_object([sum(len(s[1]) for s in samples)]))  # the whole batch's
+            n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
             abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
             steps = [s for tr in batch for s in tr["steps"]]
             stats.update({
@@ -1180,7 +1184,7 @@ def main(args: Args) -> dict:
             run_eval(iteration)
         if iteration % args.save_every == 0 or iteration == args.iterations:
             counts = {key: (c.n_total, c.n_success) for key, c in table.counts.items()}
-            run.save(model, base_model, iteration, history, optimizer=optimizer,
+            run.save(model, start_path, iteration, history, optimizer=optimizer,
                      generator=generator, task_rng=task_rng,
                      table={"counts": counts, "t": table.t})
     progress.close()

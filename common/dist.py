@@ -7,7 +7,9 @@ optimizer step. `python <script>.py` is one process, and nothing here communicat
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from datetime import timedelta
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -67,13 +69,32 @@ def same_start(params: list[Tensor], seed: int) -> None:
         torch.manual_seed(seed + 100_003 * dist.process_index)
 
 
-def batch_offsets(counts: list[int]) -> tuple[list[int], int]:
-    """Every process's `counts` items, in process order: (all of them, where this process's
-    start in that list)."""
+class MiniBatch(NamedTuple):
+    epoch: int  # 0-based pass over the batch
+    start: int  # where the mini-batch starts in the batch's shuffled order
+    mine: list[int]  # its members among this process's samples (indices into them)
+    size: int  # its members over every process
+    tokens: int  # its response tokens over every process
+
+
+def minibatches(response_lengths: list[int], size: int, epochs: int,
+                generator: torch.Generator) -> Iterator[MiniBatch]:
+    """The mini-batches of `epochs` passes over one batch, each pass a fresh shuffle by
+    `generator`, cut into mini-batches of `size` samples. One process: its samples, as CleanRL
+    draws them. Several: `response_lengths` is this process's share, in process order, of the
+    batch, the shuffle is one process's draw of the whole batch, and each process gets the
+    members of each mini-batch it holds (`mine`), with the mini-batch's size and token count over
+    all processes, so that summed gradients are the whole mini-batch's."""
     dist = PartialState()
-    by_process = gather_object([counts])
+    by_process = gather_object([response_lengths])  # every process's, in process order
     first = sum(len(c) for c in by_process[:dist.process_index])
-    return [n for c in by_process for n in c], first
+    lengths = [n for c in by_process for n in c]
+    for epoch in range(epochs):
+        order = torch.randperm(len(lengths), generator=generator).tolist()
+        for start in range(0, len(order), size):
+            members = order[start:start + size]  # indices into the whole batch
+            mine = [i - first for i in members if first <= i < first + len(response_lengths)]
+            yield MiniBatch(epoch, start, mine, len(members), sum(lengths[i] for i in members))
 
 
 def sum_across_processes(params: list[Tensor], loss: float) -> float:

@@ -8,10 +8,10 @@ Run(), keep_base and save wait for the others (a call on one process only would 
     run = Run(args, "proxmo.py")           # names the run, or reads --resume's checkpoint
     model, tokenizer = run.load_model()    # --model, or the start a resumed run kept
     run.open()                             # only now a directory: a bad flag leaves nothing
-    base_model = run.keep_base(model, tokenizer)
+    start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
     start_iteration, history = run.restore(optimizer=optimizer, generator=generator)  # --resume
     run.log(stats, iteration)
-    run.save(model, base_model, iteration, history, optimizer=optimizer, generator=generator)
+    run.save(model, start_path, iteration, history, optimizer=optimizer, generator=generator)
     summary = run.finish(history)
 
 A checkpoint is written whole into checkpoint-<iteration>/ and then made the run's checkpoint in
@@ -347,7 +347,7 @@ class Run:
         print(f"resumed from {self.checkpoint} at iteration {self.state['iteration']}")
         return self.state["iteration"], self.state["history"]
 
-    def save(self, model, base_model: str, iteration: int, history: dict,
+    def save(self, model, start_path: str, iteration: int, history: dict,
              adapters: dict | None = None, **trainer_state) -> None:
         """checkpoint/: the LoRA adapter (its config naming the base model), other adapters
         (`adapters`, name -> model) in subfolders, a model card saying how to load the policy,
@@ -357,14 +357,14 @@ class Run:
         streams = gather_object([random_streams()])
         if self.dist.is_main_process:
             try:
-                self._write_checkpoint(model, base_model, iteration, history, adapters,
+                self._write_checkpoint(model, start_path, iteration, history, adapters,
                                        trainer_state, streams)
             except OSError as e:  # a full disk, a lost mount: the last checkpoint is intact
                 raise RunStopped(f"iteration {iteration}: the checkpoint could not be written "
                                  f"({e}); the last complete one is {self.checkpoint}") from None
         self.dist.wait_for_everyone()
 
-    def _write_checkpoint(self, model, base_model: str, iteration: int, history: dict,
+    def _write_checkpoint(self, model, start_path: str, iteration: int, history: dict,
                           adapters: dict | None, trainer_state: dict, streams: list) -> None:
         """checkpoint-<iteration>/ written whole and flushed to disk, then the checkpoint link
         switched to it by one rename, then the older checkpoint-*/ (and any a killed save left)
@@ -378,12 +378,12 @@ class Run:
         try:
             for name_, adapter in [("", model), *(adapters or {}).items()]:
                 if adapter is not None:
-                    adapter.peft_config["default"].base_model_name_or_path = base_model
+                    adapter.peft_config["default"].base_model_name_or_path = start_path
                     adapter.save_pretrained(os.path.join(path, name_),
                                             save_embedding_layers=False)
             with open(os.path.join(path, "README.md"), "w") as f:  # PEFT's is empty
                 f.write(f"""---
-base_model: {base_model}
+base_model: {start_path}
 library_name: peft
 ---
 # LoRA adapter trained by {self.script}
@@ -393,7 +393,7 @@ seed {args.seed}. The run's configuration is in ../config.json. To load the poli
 
 ```python
 from common.model import load_lora, load_model_and_tokenizer  # this repository's common/
-model, tokenizer = load_model_and_tokenizer("{base_model}")
+model, tokenizer = load_model_and_tokenizer("{start_path}")
 policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
 ```
 """)

@@ -118,12 +118,12 @@ def main(out: str, share_of_process_0: int, method: str) -> None:
         generator = torch.Generator().manual_seed(0)
         if method == "spa":
             args = spa.Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2, vf_coef=0.5)
-            stats = spa.policy_update(args, model, value_head, tokenizer, optimizer, samples,
-                                      generator, 1)
+            stats = spa.policy_update(args, model, value_head, tokenizer, optimizer,
+                                      [spa.StepSample(*s) for s in samples], generator, 1)
         else:
             args = proxmo.Args(micro_batch_size=3, minibatch_size=6, ppo_epochs=2)
-            stats = proxmo.policy_update(args, model, tokenizer, optimizer, samples, generator,
-                                         1)
+            stats = proxmo.policy_update(args, model, tokenizer, optimizer,
+                                         [proxmo.StepSample(*s) for s in samples], generator, 1)
     # A process without a micro-batch of its own in an update (3SPO's rounds) lacks some stats:
     # the means are over the processes that have them.
     uneven = {"loss": [1.0], "clip_fraction": [0.5]} if dist.process_index else {"loss": [3.0]}

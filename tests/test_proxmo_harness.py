@@ -11,7 +11,7 @@ import envs
 from common import UsageError
 from common.model import add_lora, load_model_and_tokenizer
 from envs.text import PROMPT_WORDS, build_prompt, chat_ids, encode_prompt
-from proxmo import Args, Policy, parse_args, policy_update, validate_args
+from proxmo import Args, Policy, StepSample, parse_args, policy_update, validate_args
 
 TASK = "put a mug in desk."
 OBS = "You arrive at desk 1. On the desk 1, you see a mug 1, and a pen 2."
@@ -64,7 +64,8 @@ def test_a_nan_update_stops_before_the_weights_change(tiny):
     try:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        samples = [([5, 6, 7], [8, 9], float("nan"), None), ([5, 7], [9], 1.0, None)]
+        samples = [StepSample([5, 6, 7], [8, 9], float("nan"), None),
+                   StepSample([5, 7], [9], 1.0, None)]
         with pytest.raises(FloatingPointError, match="iteration 3.*non-finite loss"):
             policy_update(Args(micro_batch_size=4, minibatch_size=4), model, tok, optimizer,
                           samples, torch.Generator().manual_seed(0), iteration=3)
@@ -104,7 +105,7 @@ def test_recorded_old_logprobs_give_the_update_of_scored_ones(tiny):
         assert all(len(r) == len(lp) for r, lp in zip(responses, logprobs))
         results = []
         for recorded in (logprobs, [None] * len(prompts)):
-            samples = [(p, r, (-1.0) ** k, lp)
+            samples = [StepSample(p, r, (-1.0) ** k, lp)
                        for k, (p, r, lp) in enumerate(zip(prompts, responses, recorded))]
             results.append(_update_from(start, args, model, tok, samples))
     finally:
@@ -129,7 +130,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny):
         start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         torch.manual_seed(0)
         responses, logprobs = Policy(args, model, tok).generate(prompts, args.rollout_temperature)
-        samples = [(p, r, (-1.0) ** k, lp)
+        samples = [StepSample(p, r, (-1.0) ** k, lp)
                    for k, (p, r, lp) in enumerate(zip(prompts, responses, logprobs))]
         results = []
         for checkpointing in (False, True):

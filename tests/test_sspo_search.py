@@ -225,9 +225,14 @@ def test_no_backtracking_keeps_the_best_child_and_restarts(tokenizer):
 def test_the_update_and_the_loss_are_proxmos_text():
     """diff proxmo.py sspo.py shows only what 3SPO changes (its rollouts, BC and evaluation
     sections: test_proxmo_harness.py)."""
-    for name in ("policy_update", "ppo_clip_loss", "k3_kl", "policy_ratio", "summarize"):
+    for name in ("policy_update", "ppo_clip_loss", "k3_kl", "policy_ratio", "StepSample"):
         a, b = inspect.getsource(getattr(sspo, name)), inspect.getsource(getattr(proxmo, name))
         assert a == b.replace("(Eq. 13)", "(Eq. 4)"), name
+    # proxmo.py's summarize also carries the household oracle's progress, which 3SPO never has
+    step = {"state": "s", "valid": True, "well_formed": False, "prompt": [1], "action": "look"}
+    traj = {"task_type": "pick", "group": 3, "won": True, "rewards": [0.0, 1.0],
+            "steps": [step, step], "task": "put a mug in the sink"}
+    assert sspo.summarize(traj) == proxmo.summarize(traj)
 
 
 def test_round_statistics_under_the_revised_defaults(tokenizer):
