@@ -5,11 +5,11 @@ traceback) for bad input."""
 import glob
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Seconds on 2 CPU cores; still collect -> SPRM -> hindsight -> eval -> rollouts -> update ->
@@ -20,11 +20,7 @@ SMALL = ["--eval-num-tasks", "6", "--tasks-per-iteration", "2", "--group-size", 
 
 
 def run(args, tmp_path, expect=0):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", ALFWORLD_DATA=str(tmp_path / "no_alfworld"))
-    result = subprocess.run([sys.executable, "hisr.py", *args], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+    return run_script("hisr.py", args, tmp_path, expect)
 
 
 def collected(result) -> bool:

@@ -5,13 +5,13 @@ import glob
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from common.model import TINY_CHECKPOINT
+
+from helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough for seconds on 2 CPU cores; still eval -> rollouts -> update -> eval -> checkpoint.
@@ -23,11 +23,7 @@ FROM_SCRATCH = ["--model", "tiny-scratch", "--bc-num-tasks", "8", "--bc-epochs",
 
 
 def run(args, tmp_path, expect=0):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", ALFWORLD_DATA=str(tmp_path / "no_alfworld"))
-    result = subprocess.run([sys.executable, "proxmo.py", *args], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+    return run_script("proxmo.py", args, tmp_path, expect)
 
 
 @pytest.mark.parametrize("advantage", ["proxmo", "grpo", "gigpo", "oracle"])
@@ -136,6 +132,25 @@ def test_same_seed_same_run(tmp_path):
     assert len(evals[0]) == 2 and evals[0] == evals[1]
     losses = [re.findall(r"final loss (\S+)\)", o) for o in outs]
     assert losses[0] and losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("tiny", {"--iterations": "8", "--max-episode-steps": "30", "--learning-rate": "0.0005",
+              "--history-length": "1", "--bc-epochs": "0"}),
+    ("Qwen2.5-1.5B-Instruct", {"--iterations": "150", "--max-episode-steps": "50",
+                               "--learning-rate": "1e-05", "--history-length": "2",
+                               "--max-new-tokens": "512"}),
+])
+def test_help_shows_the_defaults_the_run_takes(model, expected, tmp_path):
+    """--help for a --model prints that model's preset (the values `parse_args` gives a run)."""
+    from proxmo import parse_args
+
+    out = re.sub(r"[│\s]+", " ", run(["--model", model, "--help"], tmp_path).stdout)
+    args = parse_args(["--model", model])
+    for flag, value in expected.items():
+        entry = re.search(re.escape(flag) + r" [A-Z]+ .*?\(default: ([^)]*)\)", out)
+        assert entry and entry.group(1) == value, (flag, entry and entry.group(1))
+        assert str(getattr(args, flag[2:].replace("-", "_"))) == value
 
 
 def test_help_lists_the_flags(tmp_path):

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from helpers import run_script, script_env  # noqa: E402
 from learning import training_curve  # noqa: E402
 
 SMALL = ["--eval-num-tasks", "4", "--tasks-per-iteration", "2", "--group-size", "2",
@@ -47,16 +48,8 @@ runpy.run_path("proxmo.py", run_name="__main__")
 """
 
 
-def env(tmp_path, **extra):
-    return dict(os.environ, HF_HUB_OFFLINE="1", ALFWORLD_DATA=str(tmp_path / "no_alfworld"),
-                **extra)
-
-
 def run(args, tmp_path, expect=0, script="proxmo.py"):
-    result = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env(tmp_path),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == expect, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+    return run_script(script, args, tmp_path, expect)
 
 
 def scalars(run_path: str) -> dict:
@@ -79,7 +72,7 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_run(tmp_path):
     said = tmp_path / "holding"
     held = subprocess.Popen(
         [sys.executable, "-c", WRAPPER, "--iterations", "3", "--run-dir",
-         str(tmp_path / "killed"), *SMALL], cwd=ROOT, env=env(tmp_path, HOLD=f"hold:2:{said}"),
+         str(tmp_path / "killed"), *SMALL], cwd=ROOT, env=script_env(tmp_path, HOLD=f"hold:2:{said}"),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
@@ -115,7 +108,7 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_run(tmp_path):
 def test_a_full_disk_during_a_save_stops_with_one_line_and_the_last_checkpoint(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", WRAPPER, "--iterations", "2", "--run-dir", str(tmp_path), *SMALL],
-        cwd=ROOT, env=env(tmp_path, HOLD="full:2:-"), capture_output=True, text=True,
+        cwd=ROOT, env=script_env(tmp_path, HOLD="full:2:-"), capture_output=True, text=True,
         timeout=600)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "the checkpoint could not be written" in result.stderr
