@@ -369,18 +369,17 @@ class Run:
         """checkpoint-<iteration>/ written whole and flushed to disk, then the checkpoint link
         switched to it by one rename, then the older checkpoint-*/ (and any a killed save left)
         removed."""
-        args, name = self.args, f"checkpoint-{iteration}"
-        path = self.file(name)
+        args, folder = self.args, f"checkpoint-{iteration}"
+        path = self.file(folder)
         if self.config is not None:  # a resume's command joins config.json with its first save
             write_json(self.file("config.json"), self.config)
             self.config = None
         shutil.rmtree(path, ignore_errors=True)  # a save of this iteration that was killed
         try:
-            for name_, adapter in [("", model), *(adapters or {}).items()]:
+            for name, adapter in [("", model), *(adapters or {}).items()]:
                 if adapter is not None:
                     adapter.peft_config["default"].base_model_name_or_path = start_path
-                    adapter.save_pretrained(os.path.join(path, name_),
-                                            save_embedding_layers=False)
+                    adapter.save_pretrained(os.path.join(path, name), save_embedding_layers=False)
             with open(os.path.join(path, "README.md"), "w") as f:  # PEFT's is empty
                 f.write(f"""---
 base_model: {start_path}
@@ -408,13 +407,13 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
         link = self.file(".checkpoint.link")
         with contextlib.suppress(FileNotFoundError):
             os.remove(link)
-        os.symlink(name, link)
+        os.symlink(folder, link)
         if os.path.isdir(self.checkpoint) and not os.path.islink(self.checkpoint):
             os.rename(self.checkpoint, self.file("checkpoint-before-links"))  # an older run's
         os.replace(link, self.checkpoint)  # the one step: the new checkpoint is the run's
         _flush_tree(self.path, files=False)
         for old in os.listdir(self.path):
-            if old.startswith("checkpoint-") and old != name:
+            if old.startswith("checkpoint-") and old != folder:
                 shutil.rmtree(self.file(old), ignore_errors=True)
 
     def finish(self, history: dict) -> dict:
