@@ -881,18 +881,18 @@ def score_hindsight(args: Args, hindsight, tokenizer, trajs: list[dict]) -> int:
     return sum(s[3] for s in samples)
 
 
-def auxiliary_copy(args: Args, start_model, targets):
+def auxiliary_copy(args: Args, start_model):
     """A copy of the start policy to train into the SPRM or the hindsight model, in float32 (the
     paper's learning rates of 1e-6 would round away in bf16 weights): every weight trainable
     (--aux-full-params), or a fresh LoRA adapter on the copy."""
     model = copy.deepcopy(start_model).float()
     if args.aux_full_params:
         return model.requires_grad_(True)
-    return add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+    return add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
+                    args.lora_target_modules)
 
 
-def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict],
-                        targets) -> tuple:
+def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict]) -> tuple:
     """(SPRM, head, hindsight model, statistics) trained on the collection (Eqs. 2-4), frozen.
     Writes "seg_ids" into every trajectory; whole tasks are held out (split_heldout), every
     rollout of them, filtered or not, as RL will see them; the rest of the kept trajectories
@@ -921,13 +921,13 @@ def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict
                  [max(t["seg_ids"]) + 1 for t in collected])),
              "aux/trained_on": len(train), "aux/heldout": len(heldout)}
     device = next(start_model.parameters()).device
-    sprm = auxiliary_copy(args, start_model, targets)
+    sprm = auxiliary_copy(args, start_model)
     head = SegmentRewardHead(start_model.config.hidden_size).to(device)
     stats.update(train_sprm(args, sprm, head, tokenizer, collected, train, heldout,
                             random.Random(args.seed + 4)))
     hindsight = None  # w/o HIM (--no-use-hindsight) reads no hindsight model
     if args.use_hindsight:
-        hindsight = auxiliary_copy(args, start_model, targets)
+        hindsight = auxiliary_copy(args, start_model)
         stats.update(train_hindsight(args, hindsight, start_model, tokenizer, collected, train,
                                      heldout, random.Random(args.seed + 5)))
     return sprm, head, hindsight, stats
@@ -1429,6 +1429,24 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
+def clone_start(args: Args, run: Run, model, tokenizer, train_tasks: list):
+    """The start RL begins from, cloned from the expert: every weight trained, or a LoRA adapter
+    merged in after (--no-bc-full-params); frozen, its stats logged at iteration 0."""
+    if not args.bc_full_params:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
+                         args.lora_target_modules)
+    t0 = time.time()
+    stats = behavior_cloning(args, model, tokenizer, train_tasks)
+    stats["bc/seconds"] = time.time() - t0
+    if not args.bc_full_params:
+        model = merge_lora(model)
+    model.requires_grad_(False)
+    print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
+          f"(final loss {stats['bc/loss']:.3f})")
+    run.log(stats, 0)
+    return model
+
+
 # ---- 7. Evaluation ------------------------------------------------------------------------------
 def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
@@ -1643,28 +1661,16 @@ def main(args: Args) -> dict:
     if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    targets = args.lora_target_modules
-    if targets != "all-linear":
-        targets = targets.split(",")
     if args.bc_epochs > 0 and not args.resume:
-        if not args.bc_full_params:
-            model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
-        t0 = time.time()
-        stats = behavior_cloning(args, model, tokenizer, train_tasks)
-        stats["bc/seconds"] = time.time() - t0
-        if not args.bc_full_params:
-            model = merge_lora(model)
-        model.requires_grad_(False)
-        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
-              f"(final loss {stats['bc/loss']:.3f})")
-        run.log(stats, 0)
+        model = clone_start(args, run, model, tokenizer, train_tasks)
     start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
     # HISR's reward models start from the policy's start: a copy, before the policy's adapter.
     aux_start = copy.deepcopy(model) if args.advantage == "hisr" else None
     if args.resume:
         model = load_lora(model, run.checkpoint)
     else:
-        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
+                         args.lora_target_modules)
     model.print_trainable_parameters()
     # The critic: a value head on the policy's final hidden state, backbone and adapter shared.
     value_head = make_head(model.config.hidden_size, "linear", run.device)
@@ -1693,7 +1699,7 @@ def main(args: Args) -> dict:
                                                             args.reward_models or aux_path)
         else:
             sprm, sprm_head, hindsight, stats = train_reward_models(args, aux_start, tokenizer,
-                                                                    collected, targets)
+                                                                    collected)
             stats["aux/seconds"] = time.time() - t0
             print(f"reward models done in {stats['aux/seconds']:.0f}s: collection success "
                   f"{stats['collect/success']:.3f}, kept {stats['collect/kept']} of "

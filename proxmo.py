@@ -674,6 +674,24 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
+def clone_start(args: Args, run: Run, model, tokenizer, train_tasks: list):
+    """The start RL begins from, cloned from the expert: every weight trained, or a LoRA adapter
+    merged in after (--no-bc-full-params); frozen, its stats logged at iteration 0."""
+    if not args.bc_full_params:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
+                         args.lora_target_modules)
+    t0 = time.time()
+    stats = behavior_cloning(args, model, tokenizer, train_tasks)
+    stats["bc/seconds"] = time.time() - t0
+    if not args.bc_full_params:
+        model = merge_lora(model)
+    model.requires_grad_(False)
+    print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
+          f"(final loss {stats['bc/loss']:.3f})")
+    run.log(stats, 0)
+    return model
+
+
 # ---- 7. Evaluation ------------------------------------------------------------------------------
 def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
@@ -836,26 +854,14 @@ def main(args: Args) -> dict:
     if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    targets = args.lora_target_modules
-    if targets != "all-linear":
-        targets = targets.split(",")
     if args.bc_epochs > 0 and not args.resume:
-        if not args.bc_full_params:
-            model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
-        t0 = time.time()
-        stats = behavior_cloning(args, model, tokenizer, train_tasks)
-        stats["bc/seconds"] = time.time() - t0
-        if not args.bc_full_params:
-            model = merge_lora(model)
-        model.requires_grad_(False)
-        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
-              f"(final loss {stats['bc/loss']:.3f})")
-        run.log(stats, 0)
+        model = clone_start(args, run, model, tokenizer, train_tasks)
     start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
     if args.resume:
         model = load_lora(model, run.checkpoint)
     else:
-        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
+                         args.lora_target_modules)
     model.print_trainable_parameters()
     same_start(list(model.parameters()), args.seed)  # data parallel: process 0's weights
 

@@ -859,6 +859,24 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
+def clone_start(args: Args, run: Run, model, tokenizer, train_tasks: list):
+    """The start RL begins from, cloned from the expert: every weight trained, or a LoRA adapter
+    merged in after (--no-bc-full-params); frozen, its stats logged at iteration 0."""
+    if not args.bc_full_params:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
+                         args.lora_target_modules)
+    t0 = time.time()
+    stats = behavior_cloning(args, model, tokenizer, train_tasks)
+    stats["bc/seconds"] = time.time() - t0
+    if not args.bc_full_params:
+        model = merge_lora(model)
+    model.requires_grad_(False)
+    print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
+          f"(final loss {stats['bc/loss']:.3f})")
+    run.log(stats, 0)
+    return model
+
+
 # ---- 7. Evaluation ------------------------------------------------------------------------------
 def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
@@ -1071,28 +1089,16 @@ def main(args: Args) -> dict:
     if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    targets = args.lora_target_modules
-    if targets != "all-linear":
-        targets = targets.split(",")
     if args.bc_epochs > 0 and not args.resume:
-        if not args.bc_full_params:
-            model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
-        t0 = time.time()
-        stats = behavior_cloning(args, model, tokenizer, train_tasks)
-        stats["bc/seconds"] = time.time() - t0
-        if not args.bc_full_params:
-            model = merge_lora(model)
-        model.requires_grad_(False)
-        print(f"behavior cloning done in {stats['bc/seconds']:.0f}s "
-              f"(final loss {stats['bc/loss']:.3f})")
-        run.log(stats, 0)
+        model = clone_start(args, run, model, tokenizer, train_tasks)
     start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
     # SPA's progress estimator starts from the policy's start: a copy, before the policy's adapter.
     pe_start = copy.deepcopy(model) if args.advantage == "spa" else None
     if args.resume:
         model = load_lora(model, run.checkpoint)
     else:
-        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
+                         args.lora_target_modules)
     model.print_trainable_parameters()
     # The critic: a value head on the policy's final hidden state, backbone and adapter shared.
     value_head = make_head(model.config.hidden_size, "linear", run.device)
@@ -1120,7 +1126,8 @@ def main(args: Args) -> dict:
         if args.resume or args.progress_model:
             pe, pe_head = load_progress_estimator(args, pe_start, args.progress_model or pe_path)
         else:
-            pe = add_lora(pe_start, args.lora_r, args.lora_alpha, args.lora_dropout, targets)
+            pe = add_lora(pe_start, args.lora_r, args.lora_alpha, args.lora_dropout,
+                          args.lora_target_modules)
             pe_head = make_head(pe.config.hidden_size, args.pe_head, run.device)
             stats = train_progress_estimator(args, pe, pe_head, tokenizer, explore_trajs,
                                              random.Random(args.seed + 3))

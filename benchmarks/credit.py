@@ -331,15 +331,13 @@ def hisr_scored(batch: Batch, reading: str = "new") -> tuple[hisr.Args, list[dic
         return batch.cache[key]
     args = replace(hisr.preset_args("tiny", "household"), seed=batch.args.seed,
                    collect_num_tasks=batch.budget.collect_tasks, **HISR_READINGS[reading])
-    targets = args.lora_target_modules
-    targets = targets if targets == "all-linear" else targets.split(",")
     train_tasks = envs.list_tasks("household", "train")
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         tasks = random.Random(args.seed + 2).sample(train_tasks, args.collect_num_tasks)
         collected = hisr.collect(args, hisr.Policy(args, batch.model, batch.tokenizer), tasks)
         sprm, head, hindsight, fit = hisr.train_reward_models(args, batch.model, batch.tokenizer,
-                                                              collected, targets)
+                                                              collected)
     trajs = [{**t, "steps": [{**s, "old_logprobs": torch.tensor(s["logprobs"]), "value": 0.0,
                               "step_kl": 0.0} for s in t["steps"]]}
              for t, k in zip(batch.trajs, batch.task_index) if k < batch.budget.hisr_tasks]

@@ -186,8 +186,13 @@ def _load_tokenizer(path: str, local_files_only: bool = False):
 
 # ---- LoRA ---------------------------------------------------------------------------------------
 def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str | list[str]):
-    """Wrap `model` with a fresh trainable LoRA adapter; only adapter weights require grad."""
+    """Wrap `model` with a fresh trainable LoRA adapter; only adapter weights require grad.
+    target_modules: all-linear, module names comma-separated (--lora-target-modules), or a
+    list of them."""
     from peft import LoraConfig, get_peft_model
+
+    if isinstance(target_modules, str) and target_modules != "all-linear":
+        target_modules = target_modules.split(",")  # names, not PEFT's regex of one string
 
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                         task_type="CAUSAL_LM")

@@ -219,8 +219,8 @@ def test_saved_reward_models_load_back_to_the_same_scores(tiny, tmp_path, full_p
 
     args, model, tokenizer, trajs = tiny
     args = Args(max_episode_steps=8, aux_full_params=full_params, lora_r=4, lora_alpha=8)
-    sprm = auxiliary_copy(args, model, "all-linear")
-    hindsight = auxiliary_copy(args, model, "all-linear")
+    sprm = auxiliary_copy(args, model)
+    hindsight = auxiliary_copy(args, model)
     torch.manual_seed(2)
     for p in [*sprm.parameters(), *hindsight.parameters()]:
         if p.requires_grad:

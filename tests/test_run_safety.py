@@ -72,8 +72,9 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_run(tmp_path):
     said = tmp_path / "holding"
     held = subprocess.Popen(
         [sys.executable, "-c", WRAPPER, "--iterations", "3", "--run-dir",
-         str(tmp_path / "killed"), *SMALL], cwd=ROOT, env=script_env(tmp_path, HOLD=f"hold:2:{said}"),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         str(tmp_path / "killed"), *SMALL], cwd=ROOT,
+        env=script_env(tmp_path, HOLD=f"hold:2:{said}"), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
             if said.exists() or held.poll() is not None:
