@@ -54,7 +54,7 @@ import proxmo  # noqa: E402
 import spa  # noqa: E402
 import sspo  # noqa: E402
 from common.model import add_lora, load_model_and_tokenizer, response_logprobs  # noqa: E402
-from common.run import code_version  # noqa: E402
+from common.run import CODE_VERSION  # noqa: E402
 from envs.household import HouseholdEnv, generate_task, label_progress  # noqa: E402
 
 
@@ -707,7 +707,7 @@ def main(argv: list[str]) -> list[dict]:
                f"{np.mean(np.array(steps) <= 0):.3f}), {len(batch.same_state)} states with more "
                f"than one step; at the {stalls} steps where failed episodes stall, the "
                f"expert's action has median probability {stall_p:.4f} and 8 samples draw it "
-               f"({stall_drawn:.3f} of them); commit {code_version()}, torch {torch.__version__}, "
+               f"({stall_drawn:.3f} of them); commit {CODE_VERSION}, torch {torch.__version__}, "
                f"{torch.get_num_threads()} threads")
     print(f"{summary} [{time.time() - began:.0f}s]", flush=True)
     rows = []

@@ -99,6 +99,11 @@ def code_version() -> str:
     return commit + ("+changes" if changed else "")
 
 
+# The code this process runs, read when it is imported: a commit made while a long run goes on
+# is not the code it runs.
+CODE_VERSION = code_version()
+
+
 _CLOCKS: defaultdict[str, float] = defaultdict(float)  # this process's, since timings()
 _INNER: list[float] = []  # per open timer block: the seconds of the timers inside it
 
@@ -293,7 +298,7 @@ class Run:
         config_file = self.file("config.json")
         command = shlex.join([sys.executable, *sys.argv])
         record = {"command": command, "args": asdict(args), "resumed_by": [],
-                  "num_processes": self.dist.num_processes, "commit": code_version(),
+                  "num_processes": self.dist.num_processes, "commit": CODE_VERSION,
                   "torch": torch.__version__, "threads": torch.get_num_threads()}
         if args.resume:  # keep the first command; a raised --iterations holds for later resumes
             with open(config_file) as f:
