@@ -1521,8 +1521,8 @@ class StepSample(NamedTuple):
     old_value: float  # the critic's value at sampling, for the clipped value loss
 
 
-def policy_update(args: Args, model, value_head, tokenizer, optimizer, samples: list[tuple],
-                  generator: torch.Generator, iteration: int) -> dict:
+def policy_update(args: Args, model, value_head, tokenizer, optimizer,
+                  samples: list[StepSample], generator: torch.Generator, iteration: int) -> dict:
     """PPO with a critic over the step samples: `ppo_epochs` passes of shuffled mini-batches with
     gradient accumulation; loss = clipped surrogate (token-mean) + vf_coef * clipped value loss
     (step-mean).

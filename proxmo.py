@@ -240,8 +240,9 @@ def oracle_step_advantages(progress: list[Tensor], eps: float = 1e-6) -> list[Te
     z-scored over all the batch's steps (group_zscore: population std; all equal -> zeros).
 
     A step's progress is steps_to_go before it minus steps_to_go after it (+1 for an expert step,
-    0 for a detour, negative for a step to undo; envs.household.label_progress). It telescopes:
-    a loop earns 0 in all, so no length of episode games it."""
+    0 for a detour, negative for a step to undo; envs.household.label_progress). Progress
+    telescopes: a loop earns 0 in all. Centred, a step without progress earns -mean / std: with
+    the batch's mean progress above 0, as on the household, every looping step costs."""
     flat = torch.cat([p.to(torch.float64) for p in progress])
     return list(torch.split(group_zscore(flat, eps), [len(p) for p in progress]))
 
@@ -277,6 +278,9 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
             outcomes, rewards, states, groups, max_features=args.tfidf_max_features,
             alpha=args.psc_alpha, beta=args.psc_beta, temperature=args.proximity_temperature,
             gamma=args.gamma, omega=args.step_weight, use_std=args.use_std)
+    elif args.advantage == "oracle-step":
+        advantages = oracle_step_advantages(
+            [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories])
     else:
         advantages = [torch.empty(0)] * len(trajectories)
         members: dict = defaultdict(list)
@@ -293,12 +297,9 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
                 advs = [episode[k].expand(len(rewards[i])) for k, i in enumerate(idx)]
             for i, a in zip(idx, advs):
                 advantages[i] = a
-    if args.advantage in ORACLES:
-        progress = oracle_step_advantages(
-            [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories])
-        if args.advantage == "oracle-step":
-            advantages = progress
-        else:
+        if args.advantage == "oracle":
+            progress = oracle_step_advantages(
+                [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories])
             advantages = [a + args.step_weight * p for a, p in zip(advantages, progress)]
     malformed = [torch.tensor([not s["well_formed"] for s in t["steps"]], dtype=torch.float64)
                  for t in trajectories]

@@ -4,10 +4,10 @@ steps that really moved the agent towards its goal?
 The household knows what real benchmarks hide: from any state its expert reaches the goal in
 envs.household.steps_to_go steps, so every step of a rollout has a progress, steps_to_go before
 it minus steps_to_go after it (+1 for an expert step, 0 for a detour, negative for a step that
-must be undone). This benchmark plays one batch as in training (the shared start `tiny`, groups of
-one task, the training temperature, seeded), labels every step with its progress, lets each
-estimator compute the per-step credit its update would use on that same batch, with its own
-script's functions, and reports how well the credit ranks the steps:
+must be undone). This benchmark plays one batch as in training (the shared start `tiny` or
+--model, groups of one task, the training temperature, seeded), labels every step with its
+progress, lets each estimator compute the per-step credit its update would use on that same
+batch, with its own script's functions, and reports how well the credit ranks the steps:
 
 - same-state AUC: pairs of steps taken from one true game state of one task group, one with
   progress > 0, one with progress <= 0; the share where the better step got more credit (ties
@@ -15,6 +15,12 @@ script's functions, and reports how well the credit ranks the steps:
 - sign agreement: the share of steps whose credit is positive exactly when their progress is.
 - within-trajectory AUC, over all trajectories and over failed ones: which steps of an episode
   helped, what process rewards claim. Every step of a trajectory with one credit scores 0.5.
+- same-state AUC and sign agreement over admissible steps alone: an inadmissible step never
+  makes progress, so credit that only tells grounding apart does well above and not here.
+
+The summary line also screens a protocol (--max-episode-steps, --history-length, --model): the
+start's success, the share of mixed groups (what GRPO learns from), and where failed episodes
+stall, the probability that the policy gives the expert's action.
 
 Each figure comes with a bootstrap standard error over tasks. The oracle is a heuristic
 searching expert, not an optimal planner: steps_to_go is a consistent distance, not the true one.
@@ -22,6 +28,7 @@ ALFWorld has no such oracle here.
 
     python benchmarks/credit.py                                  # 32 tasks x 8, every estimator
     python benchmarks/credit.py --estimators grpo gigpo proxmo --num-tasks 8
+    python benchmarks/credit.py --estimators grpo oracle admissible --max-episode-steps 50
 """
 
 from __future__ import annotations
@@ -166,7 +173,7 @@ class Budget:
 
 @dataclass
 class Batch:
-    """One training batch of the shared start and its oracle labels. trajs: proxmo.rollout's
+    """One training batch of the start and its oracle labels. trajs: proxmo.rollout's
     trajectories (every script's rollout makes the same ones); tasks[i]: the task seed of
     trajectory i; task_index[i]: its group (the index of its task in task_ids); progress[i]:
     (T_i,) ints; same_state: (task index, [(trajectory, step), ...]) for each true state of a
@@ -290,8 +297,6 @@ def spa_first_iteration(batch: Batch, advantage: str,
     data = "the batch; V = 0 (the zero-initialised critic of iteration 1)"
     if advantage == "spa":
         if "spa" not in batch.cache:
-            targets = args.lora_target_modules
-            targets = targets if targets == "all-linear" else targets.split(",")
             tasks = random.Random(args.seed + 2).sample(envs.list_tasks("household", "train"),
                                                         batch.budget.explore_tasks)
             with torch.random.fork_rng():
@@ -299,7 +304,7 @@ def spa_first_iteration(batch: Batch, advantage: str,
                 explored = spa.explore(args, spa.Policy(args, batch.model, batch.tokenizer),
                                        tasks)
                 pe = add_lora(copy.deepcopy(batch.model), args.lora_r, args.lora_alpha,
-                              args.lora_dropout, targets)
+                              args.lora_dropout, args.lora_target_modules)
                 head = spa.make_head(pe.config.hidden_size, args.pe_head, "cpu")
                 spa.train_progress_estimator(args, pe, head, batch.tokenizer, explored,
                                              random.Random(args.seed + 3))
@@ -377,8 +382,6 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
         return batch.cache["istar"]
     args = replace(istar.preset_args("tiny", "household"), seed=batch.args.seed,
                    rollout_temperature=batch.args.rollout_temperature)
-    targets = args.lora_target_modules
-    targets = targets if targets == "all-linear" else targets.split(",")
     policy = istar.Policy(args, batch.model, batch.tokenizer)
 
     def step_rewards(prm, trajs: list[dict]) -> tuple[list[list[float]], list[tuple]]:
@@ -395,7 +398,7 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
     with torch.random.fork_rng():
         torch.manual_seed(args.seed + 1)  # the PRM's adapter, then its rollouts
         prm = add_lora(copy.deepcopy(batch.model), args.lora_r, args.lora_alpha,
-                       args.lora_dropout, targets)
+                       args.lora_dropout, args.lora_target_modules)
         optimizer = torch.optim.AdamW([p for p in prm.parameters() if p.requires_grad],
                                       lr=args.prm_learning_rate, weight_decay=0.0)
         for step in range(1, batch.budget.dpo_steps + 1):
@@ -569,6 +572,9 @@ ESTIMATORS = {
     "sspo": sspo_credit,
     "sspo-rewards": sspo_reward_credit,
 }
+# What credits the batch alone, with the batch's settings (the others play, explore or train with
+# their own script's tiny preset).
+ON_THE_BATCH = ("oracle-step", "oracle", "admissible", "grpo", "gigpo", "proxmo", "rloo")
 LABELS = {"oracle-step": "oracle: progress alone (reference, proxmo.py)",
           "oracle": "oracle: GRPO + progress (reference, proxmo.py)",
           "admissible": "admissible steps only (reference)", "grpo": "GRPO (proxmo.py)",
@@ -590,7 +596,7 @@ LABELS = {"oracle-step": "oracle: progress alone (reference, proxmo.py)",
 
 # ---- 4. Table and picture -----------------------------------------------------------------------
 def markdown_table(rows: list[dict]) -> str:
-    """One row per estimator: the four figures +- SE, the data it used, its seconds."""
+    """One row per estimator: every figure +- SE, the data it used, its seconds."""
     lines = ["| estimator | " + " | ".join(FIGURES) + " | data | seconds |",
              "| --- | " + " | ".join("---" for _ in FIGURES) + " | --- | --- |"]
     for row in rows:
@@ -684,6 +690,10 @@ def main(argv: list[str]) -> list[dict]:
         parser.error("--history-length must be >= 0")
     if args.model != "tiny" and not os.path.isdir(args.model):
         parser.error(f"--model {args.model}: tiny, or a directory with a model in it")
+    own_rollouts = [e for e in args.estimators if e not in ON_THE_BATCH]
+    if (args.model != "tiny" or args.history_length is not None) and own_rollouts:
+        parser.error(f"--model and --history-length reach the batch, not the rollouts and models "
+                     f"of {' '.join(own_rollouts)}: screen with {' '.join(ON_THE_BATCH)}")
     os.makedirs(args.out, exist_ok=True)
 
     began = time.time()

@@ -94,13 +94,16 @@ def run_name(estimator: str, seed: int) -> str:
     return f"{estimator}-seed{seed}"
 
 
-def read_json(path: str) -> dict:
-    """A record, summary or config; a damaged one is refused by name."""
+def read_json(path: str, remedy: str) -> dict:
+    """A record, summary or config; a damaged one is refused by name, with `remedy`."""
     try:
         with open(path) as f:
-            return json.load(f)
+            value = json.load(f)
     except ValueError as e:  # json.JSONDecodeError
-        refuse(f"{path} is damaged ({e}); delete it to make it again")
+        refuse(f"{path} is damaged ({e}); {remedy}")
+    if not isinstance(value, dict):
+        refuse(f"{path} is damaged (not a JSON object); {remedy}")
+    return value
 
 
 def training_curve(run_path: str, tag: str = "rollout/success") -> list[float]:
@@ -121,8 +124,9 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
     commit, torch version and threads it ran with. The run's config.json must show the run asked
     for: a run directory is never taken on trust."""
     run_path = os.path.dirname(summary_file)
-    summary = read_json(summary_file)
-    config = read_json(os.path.join(run_path, "config.json"))
+    again = "delete the run directory to run it again"
+    summary = read_json(summary_file, again)
+    config = read_json(os.path.join(run_path, "config.json"), again)
     ran = config["args"]
     wanted = {"advantage": estimator, "seed": seed, "eval_splits": [split],
               "eval_num_tasks": eval_num_tasks}
@@ -178,6 +182,7 @@ def flag_errors(script: str, estimators: list[str], seeds: list[int], split: str
                 flags: list[str]) -> list[str]:
     """What the script would refuse in any of the runs, found before the first starts: an
     estimator that is not a value of its --advantage, a bad seed, a bad flag after --."""
+    from common import UsageError
     from common.config import choices
 
     module = script_module(script)
@@ -187,7 +192,12 @@ def flag_errors(script: str, estimators: list[str], seeds: list[int], split: str
     errors += [f"--seeds {s}: a seed is in [0, 2**32)" for s in seeds if not 0 <= s < 2 ** 32]
     for estimator in estimators:  # an estimator may have presets of its own
         if estimator in allowed:
-            args = module.parse_args(["--advantage", estimator, "--eval-splits", split, *flags])
+            try:
+                args = module.parse_args(["--advantage", estimator, "--eval-splits", split,
+                                          *flags])
+            except UsageError as e:  # e.g. --resume, which a protocol run never takes
+                errors.append(f"{script} {' '.join(flags)}: {e}")
+                continue
             errors += [f"{script} {' '.join(flags)}: {e}" for e in module.validate_args(args)]
     return list(dict.fromkeys(errors))
 
@@ -198,7 +208,8 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
     runs_dir, else the run is started there (its log beside it) and then recorded."""
     record_file = os.path.join(records_dir, run_name(estimator, seed) + ".json")
     if os.path.isfile(record_file):
-        record = read_json(record_file)
+        record = read_json(record_file, "delete it: the run's directory makes it again, or the "
+                           "run is run again")
         wanted = {"script": script, "estimator": estimator, "seed": seed, "split": split,
                   "eval_num_tasks": eval_num_tasks, "flags": flags}
         for key, value in wanted.items():

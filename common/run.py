@@ -14,10 +14,11 @@ Run(), keep_base and save wait for the others (a call on one process only would 
     run.save(model, start_path, iteration, history, optimizer=optimizer, generator=generator)
     summary = run.finish(history)
 
-A checkpoint is written whole into checkpoint-<iteration>/ and then made the run's checkpoint in
-one step: the link checkpoint -> checkpoint-<iteration> is replaced by a rename. A run killed at
-any moment, a save included, keeps its last complete checkpoint. A run holds its directory's lock
-(.lock) while it runs: a second run never shares a directory, and a run still going is not resumed.
+checkpoint is a link to checkpoint-<iteration>/: a checkpoint is written whole under another
+name, renamed to checkpoint-<iteration>/, and made the run's by replacing the link (a rename,
+one step). A run killed at any moment, a save included, keeps its last complete checkpoint. A run
+holds its directory's lock (.lock) while it runs: a second run never shares a directory, and a
+run still going is not resumed.
 
 The iteration's clocks: `with timer("generation"):` anywhere adds the block's seconds to one
 clock, and timings() reads them all out (time/generation_seconds, ...) and sets them to 0.
@@ -26,11 +27,12 @@ clock, and timings() reads them all out (time/generation_seconds, ...) and sets 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import subprocess
@@ -41,8 +43,14 @@ from dataclasses import asdict
 
 import numpy as np
 import torch
+
+try:
+    import fcntl  # the run directory's lock (POSIX); without it a run directory is not locked
+except ImportError:
+    fcntl = None
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
+from safetensors import SafetensorError
 
 from common import RunStopped, UsageError
 from common.model import check_lora_targets, load_model_and_tokenizer, resolve_model_name
@@ -176,6 +184,9 @@ def _flush_tree(path: str, files: bool = True) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:  # a filesystem that cannot sync a directory; its files are synced
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 
@@ -195,7 +206,11 @@ class Run:
         self.config = None  # config.json's content while it waits to be written
         if args.resume:
             self._take_lock()  # before anything is read: a run still going is not resumed
-            self.state = self._resume_state()
+            try:
+                self.state = self._resume_state()
+            except UsageError:
+                self.release()
+                raise
         else:
             self.state = None
             self._check_run_dir()
@@ -212,20 +227,38 @@ class Run:
             raise UsageError(f"--run-dir {run_dir}: {existing} is not writable")
 
     def _take_lock(self) -> None:
-        """The main process holds the run directory's .lock until it exits (the system frees it
-        whatever the way out, kill -9 included)."""
-        if not self.dist.is_main_process:
-            return
+        """The main process holds the run directory's .lock until the run finishes or the
+        process ends (the system frees it whatever the way out, kill -9 included). Every
+        process calls it: refused on all when another process holds the lock."""
+        refused = self._lock() if self.dist.is_main_process else None
+        refused = broadcast_object_list([refused])[0]
+        if refused:
+            raise UsageError(refused)
+
+    def _lock(self) -> str | None:
+        """The main process's part of _take_lock: None, or why the lock is not ours."""
+        if fcntl is None:
+            return None
         self.lock = open(self.file(".lock"), "a")
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            self.release()
+            return (f"--resume {self.path}: the run is still going (another process holds its "
+                    ".lock); stop it first, or wait for it")
+        return None
+
+    def release(self) -> None:
+        """Lets go of the run directory's lock."""
+        if self.lock is not None:
             self.lock.close()
-            raise UsageError(f"--resume {self.path}: the run is still going (another process "
-                             "holds its .lock); stop it first, or wait for it") from None
+            self.lock = None
 
     def _resume_state(self) -> dict:
         resume, file = self.args.resume, os.path.join(self.checkpoint, "trainer_state.pt")
+        if not os.path.exists(self.checkpoint) and self.dist.is_main_process:
+            self._relink()  # killed between two renames of a save: its newest whole checkpoint
+        self.dist.wait_for_everyone()
         if not os.path.isfile(file):
             raise UsageError(f"--resume {resume}: no checkpoint/trainer_state.pt in it")
         if not os.path.isfile(os.path.join(self.checkpoint, "adapter_config.json")):
@@ -287,7 +320,7 @@ class Run:
         resume that fails before it leaves the run as it was), and the loggers."""
         if self.dist.is_main_process and not self.args.resume:
             self.path = self._new_directory()
-            self._take_lock()
+            self._lock()  # a directory made just now: no other run holds it
         self.path = broadcast_object_list([self.path])[0]
         self.checkpoint = self.file("checkpoint")
         self.began = time.time()  # the clock of summary.json's minutes: work, not waiting
@@ -297,16 +330,16 @@ class Run:
         args = self.args
         config_file = self.file("config.json")
         command = shlex.join([sys.executable, *sys.argv])
-        record = {"command": command, "args": asdict(args), "resumed_by": [],
-                  "num_processes": self.dist.num_processes, "commit": CODE_VERSION,
-                  "torch": torch.__version__, "threads": torch.get_num_threads()}
+        this = {"command": command, "commit": CODE_VERSION, "torch": torch.__version__,
+                "threads": torch.get_num_threads()}
         if args.resume:  # keep the first command; a raised --iterations holds for later resumes
             with open(config_file) as f:
                 record = {**json.load(f), "args": asdict(args)}
-            record["resumed_by"] = record.get("resumed_by", []) + [command]
-        self.config = record
-        if not args.resume:
-            write_json(config_file, record)
+            record["resumed_by"] = record.get("resumed_by", []) + [this]
+            self.config = record  # written with the resume's first save
+        else:
+            write_json(config_file, {**this, "args": asdict(args), "resumed_by": [],
+                                     "num_processes": self.dist.num_processes})
         if args.track:
             import wandb
 
@@ -354,20 +387,29 @@ class Run:
 
     def save(self, model, start_path: str, iteration: int, history: dict,
              adapters: dict | None = None, **trainer_state) -> None:
-        """checkpoint/: the LoRA adapter (its config naming the base model), other adapters
-        (`adapters`, name -> model) in subfolders, a model card saying how to load the policy,
-        and trainer_state.pt for --resume: the state of every object in `trainer_state` (name ->
-        optimizer, module, generator or plain data), the iteration, the history and every
-        process's random streams."""
+        """checkpoint-<iteration>/, then the checkpoint link to it: the LoRA adapter (its config
+        naming the base model), other adapters (`adapters`, name -> model) in subfolders, a model
+        card saying how to load the policy, and trainer_state.pt for --resume: the state of every
+        object in `trainer_state` (name -> optimizer, module, generator or plain data), the
+        iteration, the history, every process's random streams and the run's seconds. A write
+        that fails stops the run on every process (RunStopped), the last checkpoint intact."""
         streams = gather_object([random_streams()])
+        failed = None
         if self.dist.is_main_process:
             try:
                 self._write_checkpoint(model, start_path, iteration, history, adapters,
                                        trainer_state, streams)
-            except OSError as e:  # a full disk, a lost mount: the last checkpoint is intact
-                raise RunStopped(f"iteration {iteration}: the checkpoint could not be written "
-                                 f"({e}); the last complete one is {self.checkpoint}") from None
-        self.dist.wait_for_everyone()
+            # A full disk, a lost mount: torch.save says so as a RuntimeError, safetensors as its
+            # own error. The last complete checkpoint is intact.
+            except (OSError, RuntimeError, SafetensorError) as e:
+                free = shutil.disk_usage(self.path).free
+                failed = (f"iteration {iteration}: the checkpoint could not be written "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+                          f"{free} bytes free there); the last complete one is "
+                          f"{os.path.realpath(self.checkpoint)}")
+        failed = broadcast_object_list([failed])[0]  # every process stops, or none
+        if failed:
+            raise RunStopped(failed)
 
     def _write_checkpoint(self, model, start_path: str, iteration: int, history: dict,
                           adapters: dict | None, trainer_state: dict, streams: list) -> None:
@@ -375,7 +417,7 @@ class Run:
         switched to it by one rename, then the older checkpoint-*/ (and any a killed save left)
         removed."""
         args, folder = self.args, f"checkpoint-{iteration}"
-        path = self.file(folder)
+        path = self.file(folder + ".partial")  # whole, it is renamed to checkpoint-<iteration>
         if self.config is not None:  # a resume's command joins config.json with its first save
             write_json(self.file("config.json"), self.config)
             self.config = None
@@ -409,17 +451,32 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
+        shutil.rmtree(self.file(folder), ignore_errors=True)  # renamed whole, never linked
+        os.rename(path, self.file(folder))
+        if os.path.isdir(self.checkpoint) and not os.path.islink(self.checkpoint):
+            # A run from before the links: its checkpoint/ folder becomes an older checkpoint-*.
+            os.rename(self.checkpoint, self.file("checkpoint-0-before-links"))
+        self._link(folder)  # the one step: the new checkpoint is the run's
+        for old in os.listdir(self.path):
+            if old.startswith("checkpoint-") and old != folder:
+                shutil.rmtree(self.file(old), ignore_errors=True)
+
+    def _link(self, folder: str) -> None:
+        """checkpoint -> folder, by a rename over the old link."""
         link = self.file(".checkpoint.link")
         with contextlib.suppress(FileNotFoundError):
             os.remove(link)
         os.symlink(folder, link)
-        if os.path.isdir(self.checkpoint) and not os.path.islink(self.checkpoint):
-            os.rename(self.checkpoint, self.file("checkpoint-before-links"))  # an older run's
-        os.replace(link, self.checkpoint)  # the one step: the new checkpoint is the run's
+        os.replace(link, self.checkpoint)
         _flush_tree(self.path, files=False)
-        for old in os.listdir(self.path):
-            if old.startswith("checkpoint-") and old != folder:
-                shutil.rmtree(self.file(old), ignore_errors=True)
+
+    def _relink(self) -> None:
+        """The link to the newest whole checkpoint-<iteration>/, when a save was killed after
+        renaming it and before linking it (a .partial folder is never whole)."""
+        whole = [(int(m.group(1)), name) for name in os.listdir(self.path)
+                 if (m := re.fullmatch(r"checkpoint-(\d+)(-before-links)?", name))]
+        if whole:
+            self._link(max(whole)[1])
 
     def finish(self, history: dict) -> dict:
         """Closes the loggers, writes summary.json and prints the headline: start, final and best
@@ -443,6 +500,7 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
                 write_json(self.file("config.json"), self.config)
             evaluations = {str(k): v for k, v in sorted(history.items())}
             write_json(self.file("summary.json"), {**summary, "evaluations": evaluations})
+        self.release()
         start = summary["start_success"]
         start = "n/a (resumed)" if start is None else f"{start:.3f}"
         print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} "

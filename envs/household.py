@@ -510,7 +510,6 @@ def steps_to_go(game: HouseholdEnv, cap: int = 60) -> int:
         game.max_steps = max_steps
 
 
-
 def true_state(game: HouseholdEnv) -> str:
     """The game's true state as text (its step counter left out), the same in every process:
     sets are written sorted, since their order depends on the string hash seed."""
@@ -539,6 +538,7 @@ def label_progress(task: int, actions: list[str], next_states: list[str],
         progress.append(before - after)
         before = after
     return progress, states
+
 
 # ---- task sets ----------------------------------------------------------------------------------
 SPLITS = ("train", "valid", "test")

@@ -330,30 +330,34 @@ def test_only_malformed_replies_are_penalised():
 
 
 def oracle_batch():
-    """Group 0: a winner with progress (1, -1, 1) and a loser with (-1) whose one reply is
-    malformed; group 1: a lone winner with (1, -1)."""
+    """Group 0: a winner with progress (2, 0, 1) and a loser with (0) whose one reply is
+    malformed; group 1: a lone winner with (1, 1)."""
     def steps(n, well_formed=True):
         return [{"state": "s", "valid": True, "well_formed": well_formed}] * n
     return [{"won": True, "group": 0, "rewards": [0.0, 0.0, 1.0], "steps": steps(3),
-             "progress": [1, -1, 1]},
+             "progress": [2, 0, 1]},
             {"won": False, "group": 0, "rewards": [0.0], "steps": steps(1, False),
-             "progress": [-1]},
+             "progress": [0]},
             {"won": True, "group": 1, "rewards": [0.0, 1.0], "steps": steps(2),
-             "progress": [1, -1]}]
+             "progress": [1, 1]}]
 
 
 def test_oracle_advantages_by_hand():
-    """The batch's progress (1, -1, 1, -1, 1, -1) has mean 0 and population std 1, so its z-score
-    is progress / (1 + 1e-6) = +-0.999999. GRPO's episode term: group 0 (1, 0) -> (0.999998,
-    -0.999998), the lone group 1 -> 0. oracle at omega 0.5: (1.499998, 0.499998, 1.499998),
-    (-1.499998 - 0.01), (0.5, -0.5); oracle-step: the z-scored progress alone, less the penalty."""
+    """The batch's progress (2, 0, 1, 0, 1, 1), z-scored over the whole batch: mean 5/6,
+    population std sqrt(17/36) = 0.687184, so 2 -> 7/6 / (0.687184 + 1e-6) = 1.697747,
+    0 -> -1.212676, 1 -> 0.242535 (a z-score per group, or none, gives other numbers: group 1's
+    two equal steps would get 0). GRPO's episode term: group 0 (1, 0) -> (0.999998, -0.999998),
+    the lone group 1 -> 0. oracle at omega 0.5: (0.999998 + 0.848874, 0.999998 - 0.606338,
+    0.999998 + 0.121268) = (1.848871, 0.393660, 1.121266); the loser -0.999998 - 0.606338 - 0.01
+    (the malformed reply's penalty) = -1.616336; the lone winner (0.121268, 0.121268).
+    oracle-step: the z-scored progress alone, less the penalty."""
     progress = oracle_step_advantages([torch.tensor(p, dtype=torch.float64)
-                                       for p in ([1, -1, 1], [-1], [1, -1])])
-    check_all(progress, [[0.999999, -0.999999, 0.999999], [-0.999999], [0.999999, -0.999999]])
+                                       for p in ([2, 0, 1], [0], [1, 1])])
+    check_all(progress, [[1.697747, -1.212676, 0.242535], [-1.212676], [0.242535, 0.242535]])
     oracle = compute_advantages(Args(advantage="oracle", step_weight=0.5), oracle_batch())
-    check_all(oracle, [[1.499998, 0.499998, 1.499998], [-1.509998], [0.5, -0.5]])
+    check_all(oracle, [[1.848871, 0.393660, 1.121266], [-1.616336], [0.121268, 0.121268]])
     step_only = compute_advantages(Args(advantage="oracle-step"), oracle_batch())
-    check_all(step_only, [[0.999999, -0.999999, 0.999999], [-1.009999], [0.999999, -0.999999]])
+    check_all(step_only, [[1.697747, -1.212676, 0.242535], [-1.222676], [0.242535, 0.242535]])
 
 
 def test_oracle_progress_that_is_all_equal_gives_no_step_credit():

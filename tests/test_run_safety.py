@@ -27,7 +27,8 @@ SMALL = ["--eval-num-tasks", "4", "--tasks-per-iteration", "2", "--group-size", 
          "--minibatch-size", "8"]
 # proxmo.py, with torch.save changed for the save of iteration HOLD_AT: "hold" writes half of
 # trainer_state.pt (the adapter is already written), says so in a file and waits to be killed;
-# "full" fails as a full disk does.
+# "full" fails as torch.save failed on a full tmpfs (seen: a RuntimeError that names no cause);
+# "enospc" as a plain write does.
 WRAPPER = """
 import errno, os, runpy, sys, time
 import torch
@@ -35,6 +36,9 @@ save, mode, at, said = torch.save, *os.environ["HOLD"].split(":")
 def held(obj, file, *args, **kwargs):
     if isinstance(obj, dict) and obj.get("iteration") == int(at):
         if mode == "full":
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 "
+                               "vs 534")
+        if mode == "enospc":
             raise OSError(errno.ENOSPC, "No space left on device")
         save(obj, file, *args, **kwargs)
         with open(file, "r+b") as f:
@@ -90,6 +94,9 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_run(tmp_path):
     assert os.readlink(os.path.join(killed_path, "checkpoint")) == "checkpoint-1"
     resumed = run(["--resume", killed_path], tmp_path)
     assert "at iteration 1" in resumed.stdout
+    with open(os.path.join(killed_path, "config.json")) as f:
+        (resume,) = json.load(f)["resumed_by"]  # the resume's own command, commit, torch, threads
+    assert resume["command"].endswith(f"--resume {killed_path}") and resume["commit"]
     assert sorted(p for p in os.listdir(killed_path) if p.startswith("checkpoint")) == [
         "checkpoint", "checkpoint-3"]
     (whole_path,) = glob.glob(str(tmp_path / "whole" / "*"))
@@ -106,14 +113,17 @@ def test_a_kill_during_a_save_resumes_to_the_uninterrupted_run(tmp_path):
     assert final[0].split("(")[0] == final[1].split("(")[0]
 
 
-def test_a_full_disk_during_a_save_stops_with_one_line_and_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode, says", [("full", "RuntimeError: [enforce fail"),
+                                        ("enospc", "No space left on device")])
+def test_a_full_disk_during_a_save_stops_with_one_line_and_the_last_checkpoint(mode, says,
+                                                                              tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", WRAPPER, "--iterations", "2", "--run-dir", str(tmp_path), *SMALL],
-        cwd=ROOT, env=script_env(tmp_path, HOLD="full:2:-"), capture_output=True, text=True,
+        cwd=ROOT, env=script_env(tmp_path, HOLD=f"{mode}:2:-"), capture_output=True, text=True,
         timeout=600)
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "the checkpoint could not be written" in result.stderr
-    assert "No space left on device" in result.stderr
+    assert "the checkpoint could not be written" in result.stderr and says in result.stderr
+    assert "bytes free there" in result.stderr
     (run_path,) = glob.glob(str(tmp_path / "*"))
     assert sorted(p for p in os.listdir(run_path) if p.startswith("checkpoint")) == [
         "checkpoint", "checkpoint-1"]
@@ -173,3 +183,18 @@ def test_a_damaged_run_is_refused_by_name_on_resume(tmp_path):
         f.write("}{")
     broken = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
     assert "config.json is damaged" in broken.stderr and "Traceback" not in broken.stderr
+
+
+def test_a_save_killed_between_its_renames_resumes_from_its_whole_checkpoint(tmp_path):
+    """Killed after checkpoint-1/ was renamed whole and before the link pointed to it (the link
+    gone): --resume links the newest whole checkpoint-<iteration>/ and goes on; a .partial
+    folder is never taken."""
+    run(["--iterations", "1", "--run-dir", str(tmp_path / "runs"), *SMALL], tmp_path)
+    (run_path,) = glob.glob(str(tmp_path / "runs" / "*"))
+    os.remove(os.path.join(run_path, "checkpoint"))
+    os.makedirs(os.path.join(run_path, "checkpoint-2.partial"))
+    resumed = run(["--resume", run_path, "--iterations", "2"], tmp_path)
+    assert "at iteration 1" in resumed.stdout
+    assert os.readlink(os.path.join(run_path, "checkpoint")) == "checkpoint-2"
+    assert sorted(p for p in os.listdir(run_path) if p.startswith("checkpoint")) == [
+        "checkpoint", "checkpoint-2"]
