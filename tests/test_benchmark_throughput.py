@@ -64,6 +64,7 @@ def test_one_iteration_split_into_its_parts():
     (["--model", "shape:Qwen9-1B"], "known shapes are"),
     (["--layers", "2"], "--layers is for shape:NAME models only"),
     (["--bandwidth-gbs", "-1"], "--bandwidth-gbs must be > 0"),
+    (["--bandwidth-gbs", "nan"], "--bandwidth-gbs must be > 0 (got nan)"),
     (["--new-tokens", "1"], "--new-tokens must be >= 2"),
     (["--device", "tpu"], "--device tpu: cpu, cuda or cuda:N"),
 ])

@@ -33,3 +33,6 @@ def test_the_gpu_check_refuses_a_nonsensical_flag():
     result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--layers", "0"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--layers must be >= 1 (got 0)" in result.stderr
+    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--timeout", "nan"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--timeout must be >= 1 (got nan)" in result.stderr
