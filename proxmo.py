@@ -273,14 +273,16 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
     rewards = [torch.tensor(t["rewards"], dtype=torch.float64) for t in trajectories]
     states = [[s["state"] for s in t["steps"]] for t in trajectories]
     groups = [t["group"] for t in trajectories]
+    if args.advantage in ORACLES:
+        progress = oracle_step_advantages(
+            [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories])
     if args.advantage == "proxmo":
         advantages = proxmo_batch_advantages(
             outcomes, rewards, states, groups, max_features=args.tfidf_max_features,
             alpha=args.psc_alpha, beta=args.psc_beta, temperature=args.proximity_temperature,
             gamma=args.gamma, omega=args.step_weight, use_std=args.use_std)
     elif args.advantage == "oracle-step":
-        advantages = oracle_step_advantages(
-            [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories])
+        advantages = progress
     else:
         advantages = [torch.empty(0)] * len(trajectories)
         members: dict = defaultdict(list)
@@ -298,8 +300,6 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
             for i, a in zip(idx, advs):
                 advantages[i] = a
         if args.advantage == "oracle":
-            progress = oracle_step_advantages(
-                [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories])
             advantages = [a + args.step_weight * p for a, p in zip(advantages, progress)]
     malformed = [torch.tensor([not s["well_formed"] for s in t["steps"]], dtype=torch.float64)
                  for t in trajectories]
