@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 import random
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -72,15 +71,16 @@ from torch import Tensor
 
 import envs
 from common import UsageError, config
-from common.dist import (launch_errors, mean_across_processes, minibatches, process_share,
-                         same_start, start_processes, sum_across_processes)
+from common.config import HarnessArgs
+from common.dist import (mean_across_processes, minibatches, process_share, same_start,
+                         sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, seed_everything, timer, timings
-from envs.text import PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
+from common.run import Run, check_finite, start_run, timer, timings
+from envs.text import encode_prompt, is_well_formed, parse_action
 
 
 # ---- 1. iStar rewards and advantages (pure functions; advantages in float64, no grad) ----------
@@ -353,6 +353,23 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
 
 
 # ---- 2. Implicit PRM: step rewards (Eq. 1) and its DPO step (Eq. 2) -----------------------------
+def implicit_prm(args: Args, run: Run, start_model):
+    """The implicit PRM: a copy of the start with a LoRA adapter of its own, initialised from its
+    own random draws (so that the policy's init and rollouts match the baselines'), or on
+    --resume the adapter the run saved (checkpoint/prm/)."""
+    prm = copy.deepcopy(start_model)
+    if args.resume:
+        path = os.path.join(run.checkpoint, "prm")
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise UsageError(f"--resume {args.resume}: no checkpoint/prm/ (the PRM's adapter) "
+                             "in it")
+        return load_lora(prm, path)
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed + 1)
+        return add_lora(prm, args.lora_r, args.lora_alpha, args.lora_dropout,
+                        args.lora_target_modules)
+
+
 def score_responses(model, tokenizer, samples: list[tuple], micro_batch_size: int,
                     temperature: float) -> list[Tensor]:
     """Per-token log-probs (L_k,) of each sample's response (prompt_ids, response_ids, ...), no
@@ -441,6 +458,18 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
     return stats
 
 
+def step_reward_stats(args: Args, batch: list[dict], advantages: list[Tensor]) -> dict:
+    """The step rewards in the training log: their mean and largest |r| over the batch, and
+    step_term_shares of the batch's advantages (credit/...; the defined ones)."""
+    rewards = [r for tr in batch for r in tr["step_rewards"]]
+    stats = {"prm/step_reward_mean": float(np.mean(rewards)),
+             "prm/step_reward_abs_max": float(np.max(np.abs(rewards)))}
+    shares = step_term_shares(istar_step_terms(args, batch), advantages,
+                              [t["won"] for t in batch], [t["group"] for t in batch])
+    stats.update({f"credit/{k}": v for k, v in shares.items() if not math.isnan(v)})
+    return stats
+
+
 # ---- 3. Policy loss (Eq. 6) ---------------------------------------------------------------------
 def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
@@ -482,13 +511,14 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 
 # ---- 4. Arguments -------------------------------------------------------------------------------
 @dataclass
-class Args:
+class Args(HarnessArgs):
     """iStar (and the RLOO / GRPO baselines) for multi-turn LLM agents.
 
     The defaults --help shows are those a run takes for the --model, --env and --advantage
     given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
     other (real) model; the machine and the env set the device (cuda when there is one), the
-    evaluation splits and the env workers (envs/__init__.py)."""
+    evaluation splits and the env workers (envs/__init__.py). Where and how the run goes (device,
+    run directory, W&B, vLLM, data parallel): HarnessArgs, common/config.py."""
 
     exp_name: str = "istar"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -496,26 +526,10 @@ class Args:
     """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
     env: Literal["household", "alfworld"] = "household"
     """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
-    env_workers: int = 0
-    """processes that step a batch's games at once (0: this process)"""
     model: str = "tiny"
-    """local directory, hub id, bare Qwen name, tiny (shipped start) or tiny-scratch (BC first)"""
+    """a local directory, hub id or Qwen name; tiny, tiny-weak (shipped), tiny-scratch (BC)"""
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
     """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
-    device: str = "cpu"
-    """torch device (cuda when available, else cpu)"""
-    track: bool = False
-    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
-    wandb_project: str = "llm-agent-credit-assignment"
-    """Weights & Biases project of --track"""
-    run_dir: str = "runs"
-    """where run directories are created"""
-    resume: str | None = None
-    """a run directory to continue; only --iterations, --device, --process-timeout-* may differ"""
-    process_timeout_minutes: float = 120.0
-    """data parallel: how long a process waits for the others (torch's own for NCCL: 10)"""
-    deterministic: bool = True
-    """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
 
     # Advantage estimator and implicit PRM: the method and the baselines it is compared against.
     advantage: Literal["istar", "rloo", "grpo"] = "istar"
@@ -568,8 +582,6 @@ class Args:
     """step samples per optimizer step"""
     micro_batch_size: int = 16
     """step samples per forward pass"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, slower"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of every optimizer step"""
     rollout_temperature: float = 1.0
@@ -578,8 +590,6 @@ class Args:
     """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
     max_new_tokens: int = 12
     """response length limit"""
-    max_prompt_tokens: int = 2048
-    """prompt length limit; longer prompts drop their oldest history pairs first"""
     history_length: int = 1
     """past (observation, action) pairs shown in the prompt"""
     reasoning: bool = False
@@ -590,10 +600,6 @@ class Args:
     """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
     lora_alpha: int = 32
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
 
     # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
     bc_epochs: int = 0
@@ -622,12 +628,6 @@ class Args:
     """sampling temperature of evaluation (the papers' 0.4; 0 is greedy)"""
     save_every: int = 10
     """iterations between checkpoints (the last iteration is always saved)"""
-
-    # vLLM
-    vllm_gpu_memory_utilization: float = 0.35
-    """share of GPU memory vLLM may take (the rest holds the trainer)"""
-    vllm_sleep: bool = False
-    """vLLM: its weights to host memory and its KV cache freed during each update (small GPUs)"""
 
 
 PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
@@ -967,53 +967,24 @@ def parse_args(argv: list[str]) -> Args:
 
 
 def main(args: Args) -> dict:
-    errors = validate_args(args)
-    dist = start_processes(args)  # one process, or one of those `accelerate launch` started
-    errors += launch_errors(args, dist, os.path.basename(__file__))
-    if errors:
-        raise UsageError("\n".join(errors))
-    if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
-        sys.stdout = open(os.devnull, "w")
+    method = f"istar-{args.estimator}" if args.advantage == "istar" else args.advantage
+    dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
+                                                   method)
     if args.group_size == 1:
         print("warning: --group-size 1: a group of one has no baseline (its episode advantage is "
               "its raw outcome) and no DPO pair: the PRM never learns, and its step rewards only "
               "measure the policy's drift from the start", file=sys.stderr)
-    seed_everything(args.seed, args.deterministic)
-    method = f"istar-{args.estimator}" if args.advantage == "istar" else args.advantage
-    run = Run(args, os.path.basename(__file__), method)  # --resume: its checkpoint, checked
-    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
-    if args.tasks_per_iteration > len(train_tasks):
-        raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
-                         f"{len(train_tasks)} training tasks")
-    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
-                  for split in args.eval_splits}
-    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
-    print(json.dumps(asdict(args), indent=1))
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
     # then the LoRA adapter trained by RL.
-    model, tokenizer = run.load_model(vocab)
+    model, tokenizer = run.load_model()
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
-    if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     if args.bc_epochs > 0 and not args.resume:
         model = clone_start(args, run, model, tokenizer, train_tasks)
     start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
     # The implicit PRM starts from the policy's start: a copy, before the policy's adapter.
-    prm = None
-    if args.advantage == "istar":
-        prm = copy.deepcopy(model)
-        if args.resume:
-            if not os.path.isfile(os.path.join(run.checkpoint, "prm", "adapter_config.json")):
-                raise UsageError(f"--resume {args.resume}: no checkpoint/prm/ (the PRM's "
-                                 "adapter) in it")
-            prm = load_lora(prm, os.path.join(run.checkpoint, "prm"))
-        else:  # its own random draws: the policy's init and rollouts match the baselines'
-            with torch.random.fork_rng():
-                torch.manual_seed(args.seed + 1)
-                prm = add_lora(prm, args.lora_r, args.lora_alpha, args.lora_dropout,
-                               args.lora_target_modules)
+    prm = implicit_prm(args, run, model) if args.advantage == "istar" else None
     if args.resume:
         model = load_lora(model, run.checkpoint)
     else:
@@ -1037,7 +1008,7 @@ def main(args: Args) -> dict:
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
 
     def run_eval(iteration: int) -> None:
-        policy.sync(run.path)
+        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
         for split, tasks in eval_tasks.items():
             t0 = time.time()
             stats = evaluate(args, policy, split, tasks)
@@ -1099,12 +1070,7 @@ def main(args: Args) -> dict:
         abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
         stats.update(prm_stats)
         if prm is not None:
-            batch_step_rewards = [r for tr in batch for r in tr["step_rewards"]]
-            stats.update({"prm/step_reward_mean": float(np.mean(batch_step_rewards)),
-                          "prm/step_reward_abs_max": float(np.max(np.abs(batch_step_rewards)))})
-            shares = step_term_shares(istar_step_terms(args, batch), batch_advantages,
-                                      [t["won"] for t in batch], [t["group"] for t in batch])
-            stats.update({f"credit/{k}": v for k, v in shares.items() if not math.isnan(v)})
+            stats.update(step_reward_stats(args, batch, batch_advantages))
         steps = [s for tr in batch for s in tr["steps"]]
         stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
                       "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
@@ -1118,7 +1084,7 @@ def main(args: Args) -> dict:
         # Where the iteration's time went: prompts, generation, env, old_logprobs (iStar's pass,
         # or the policy update's), prm_logprobs, advantages, prm_update, and the policy update's
         # ref_logprobs and update; the main process's times.
-        stats.update(timings())
+        stats.update(timings())  # each timer("x") above as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
@@ -1135,10 +1101,7 @@ def main(args: Args) -> dict:
                      task_rng=task_rng)
     progress.close()
     summary = run.finish(history)
-    if policy.batcher is not None:  # free its KV caches, restore the model's attention
-        policy.batcher.close()
-    if dist.num_processes > 1:
-        dist.destroy_process_group()
+    policy.close()
     return summary
 
 

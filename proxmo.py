@@ -6,7 +6,8 @@ ProxMO is GiGPO with two changes to the advantage:
     little, failures in easy groups are pushed down a little;
   * step level (PSA, Eqs. 8-11): every step's baseline is a softmax(similarity / tau)-weighted mean
     of the discounted returns of all steps of its task group, the similarity being TF-IDF cosine
-    between the observation texts; step advantage = own return - soft baseline.
+    between the observation texts; step advantage = own return - soft baseline. The env's
+    reward is 1 on the step that wins the game and 0 on every other step.
   A = modulated episode advantage + omega * step advantage (Eq. 12), optimised with PPO-clip and a
   KL penalty to the reference policy (Eq. 13). No critic, no learned reward model.
 
@@ -26,7 +27,6 @@ Sections: 1 ProxMO advantages, 2 GRPO/GiGPO baselines and the oracle, 3 policy l
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -34,7 +34,7 @@ import re
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -49,17 +49,18 @@ from accelerate.utils import gather_object
 from torch import Tensor
 
 import envs
-from common import UsageError, config
-from common.dist import (launch_errors, mean_across_processes, minibatches, process_share,
-                         same_start, start_processes, sum_across_processes)
+from common import config
+from common.config import HarnessArgs
+from common.dist import (mean_across_processes, minibatches, process_share, same_start,
+                         sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, seed_everything, timer, timings
+from common.run import Run, check_finite, start_run, timer, timings
 from envs.household import label_progress
-from envs.text import PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
+from envs.text import encode_prompt, is_well_formed, parse_action
 
 
 # ---- 1. ProxMO advantages (pure functions, float64, no grad) ------------------------------------
@@ -347,13 +348,14 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 
 # ---- 4. Arguments -------------------------------------------------------------------------------
 @dataclass
-class Args:
+class Args(HarnessArgs):
     """ProxMO (and the GRPO / GiGPO baselines) for multi-turn LLM agents.
 
     The defaults --help shows are those a run takes for the --model, --env and --advantage
     given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
     other (real) model; the machine and the env set the device (cuda when there is one), the
-    evaluation splits and the env workers (envs/__init__.py)."""
+    evaluation splits and the env workers (envs/__init__.py). Where and how the run goes (device,
+    run directory, W&B, vLLM, data parallel): HarnessArgs, common/config.py."""
 
     exp_name: str = "proxmo"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -361,26 +363,10 @@ class Args:
     """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
     env: Literal["household", "alfworld"] = "household"
     """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
-    env_workers: int = 0
-    """processes that step a batch's games at once (0: this process)"""
     model: str = "tiny"
-    """local directory, hub id, bare Qwen name, tiny (shipped start) or tiny-scratch (BC first)"""
+    """a local directory, hub id or Qwen name; tiny, tiny-weak (shipped), tiny-scratch (BC)"""
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
     """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
-    device: str = "cpu"
-    """torch device (cuda when available, else cpu)"""
-    track: bool = False
-    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
-    wandb_project: str = "llm-agent-credit-assignment"
-    """Weights & Biases project of --track"""
-    run_dir: str = "runs"
-    """where run directories are created"""
-    resume: str | None = None
-    """a run directory to continue; only --iterations, --device, --process-timeout-* may differ"""
-    process_timeout_minutes: float = 120.0
-    """data parallel: how long a process waits for the others (torch's own for NCCL: 10)"""
-    deterministic: bool = True
-    """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
 
     # Advantage estimator: the method and the baselines it is compared against.
     advantage: Literal["proxmo", "grpo", "gigpo", "oracle", "oracle-step"] = "proxmo"
@@ -420,7 +406,7 @@ class Args:
     clip_ratio_c: float | None = None
     """dual-clip bound c > 1: for A < 0 the loss is at most -c * A (off by default)"""
     kl_coef: float = 0.01
-    """weight of the k3 KL penalty to the reference policy; 0 skips the reference pass"""
+    """weight of the k3 KL penalty to the reference (the start: adapter off); 0: no reference"""
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
     ppo_epochs: int = 1
@@ -429,8 +415,6 @@ class Args:
     """step samples per optimizer step"""
     micro_batch_size: int = 16
     """step samples per forward pass"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, slower"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of every optimizer step"""
     rollout_temperature: float = 1.0
@@ -439,8 +423,6 @@ class Args:
     """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
     max_new_tokens: int = 12
     """response length limit"""
-    max_prompt_tokens: int = 2048
-    """prompt length limit; longer prompts drop their oldest history pairs first"""
     history_length: int = 1
     """past (observation, action) pairs shown in the prompt"""
     reasoning: bool = False
@@ -451,10 +433,6 @@ class Args:
     """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
     lora_alpha: int = 32
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
 
     # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
     bc_epochs: int = 0
@@ -483,12 +461,6 @@ class Args:
     """sampling temperature of evaluation (the papers' 0.4; 0 is greedy)"""
     save_every: int = 10
     """iterations between checkpoints (the last iteration is always saved)"""
-
-    # vLLM
-    vllm_gpu_memory_utilization: float = 0.35
-    """share of GPU memory vLLM may take (the rest holds the trainer)"""
-    vllm_sleep: bool = False
-    """vLLM: its weights to host memory and its KV cache freed during each update (small GPUs)"""
 
 
 PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
@@ -827,33 +799,15 @@ def parse_args(argv: list[str]) -> Args:
 
 
 def main(args: Args) -> dict:
-    errors = validate_args(args)
-    dist = start_processes(args)  # one process, or one of those `accelerate launch` started
-    errors += launch_errors(args, dist, os.path.basename(__file__))
-    if errors:
-        raise UsageError("\n".join(errors))
-    if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
-        sys.stdout = open(os.devnull, "w")
+    dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args))
     if args.group_size == 1:
         print("warning: --group-size 1: every episode advantage is 0 (a group of one has no "
               "baseline); only step advantages remain", file=sys.stderr)
-    seed_everything(args.seed, args.deterministic)
-    run = Run(args, os.path.basename(__file__))  # --resume: its checkpoint, checked
-    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
-    if args.tasks_per_iteration > len(train_tasks):
-        raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
-                         f"{len(train_tasks)} training tasks")
-    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
-                  for split in args.eval_splits}
-    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
-    print(json.dumps(asdict(args), indent=1))
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
     # then the LoRA adapter trained by RL.
-    model, tokenizer = run.load_model(vocab)
+    model, tokenizer = run.load_model()
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
-    if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     if args.bc_epochs > 0 and not args.resume:
         model = clone_start(args, run, model, tokenizer, train_tasks)
@@ -878,7 +832,7 @@ def main(args: Args) -> dict:
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
 
     def run_eval(iteration: int) -> None:
-        policy.sync(run.path)
+        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
         for split, tasks in eval_tasks.items():
             t0 = time.time()
             stats = evaluate(args, policy, split, tasks)
@@ -928,7 +882,7 @@ def main(args: Args) -> dict:
                       "train/advantage_abs_mean": float(np.mean(abs_advantages))})
         # Where the iteration's time went: prompts, generation, env, advantages, and the policy
         # update's old_logprobs, ref_logprobs and update; the main process's times.
-        stats.update(timings())
+        stats.update(timings())  # each timer("x") above as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
@@ -943,10 +897,7 @@ def main(args: Args) -> dict:
                      generator=generator, task_rng=task_rng)
     progress.close()
     summary = run.finish(history)
-    if policy.batcher is not None:  # free its KV caches, restore the model's attention
-        policy.batcher.close()
-    if dist.num_processes > 1:
-        dist.destroy_process_group()
+    policy.close()
     return summary
 
 

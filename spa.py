@@ -45,14 +45,12 @@ Sections: 1 SPA rewards and advantages, 2 progress estimator, 3 policy and value
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import random
-import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -68,15 +66,16 @@ from torch import Tensor
 
 import envs
 from common import UsageError, config
-from common.dist import (launch_errors, mean_across_processes, minibatches, process_share,
-                         same_start, start_processes, sum_across_processes)
+from common.config import HarnessArgs
+from common.dist import (mean_across_processes, minibatches, process_share, same_start,
+                         sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, seed_everything, timer, timings
-from envs.text import PROMPT_INTRO, PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
+from common.run import Run, check_finite, start_run, timer, timings
+from envs.text import PROMPT_INTRO, encode_prompt, is_well_formed, parse_action
 
 
 # ---- 1. SPA rewards and advantages (pure functions: lists or tensors in, no grad) ---------------
@@ -421,6 +420,23 @@ def score_progress(args: Args, pe, head, tokenizer, trajs: list[dict]) -> int:
     return len(too_long)
 
 
+def progress_stats(args: Args, batch: list[dict], too_long: int) -> dict:
+    """The progress rewards in the training log: the mean contribution, the grounded share, the
+    prompts cut (too_long, summed over the processes) and the mean predicted outcome (Eq. 6) of
+    won and lost trajectories: does it separate them?"""
+    steps = [s for t in batch for s in t["steps"]]
+    predicted = {won: [sum(s["contrib"] for s in t["steps"]) for t in batch if t["won"] == won]
+                 for won in (True, False)}
+    stats = {"reward/contrib_mean": float(np.mean([s["contrib"] for s in steps])),
+             "reward/grounded": float(np.mean([grounding_flag(s["next_state"], s["parsed"],
+                                                              args.env) for s in steps])),
+             "pe/too_long": sum(gather_object([too_long]))}
+    for won, name in ((True, "won"), (False, "lost")):
+        if predicted[won]:
+            stats[f"reward/predicted_outcome_{name}"] = float(np.mean(predicted[won]))
+    return stats
+
+
 def save_progress_estimator(path: str, pe, head, base_model: str) -> None:
     """The PE's LoRA adapter (its config naming the start model it was trained on) and head."""
     pe.peft_config["default"].base_model_name_or_path = base_model
@@ -439,6 +455,31 @@ def load_progress_estimator(args: Args, start_model, path: str):
     pe.eval()
     pe.requires_grad_(False)
     head.requires_grad_(False)
+    return pe, head
+
+
+def progress_estimator(args: Args, run: Run, pe_start, tokenizer, explore_trajs: list[dict],
+                       start_path: str, began: float):
+    """(pe, head), frozen for RL: the progress estimator saved before (--resume,
+    --progress-model), or a LoRA adapter on `pe_start` (a copy of the start) and a head trained
+    on the exploration rollouts (Eqs. 5-7), logged at iteration 0 (pe/seconds: since `began`,
+    exploration included) and saved in the run (progress_model/)."""
+    path = os.path.join(run.path, "progress_model")
+    if args.resume or args.progress_model:
+        return load_progress_estimator(args, pe_start, args.progress_model or path)
+    pe = add_lora(pe_start, args.lora_r, args.lora_alpha, args.lora_dropout,
+                  args.lora_target_modules)
+    head = make_head(pe.config.hidden_size, args.pe_head, run.device)
+    stats = train_progress_estimator(args, pe, head, tokenizer, explore_trajs,
+                                     random.Random(args.seed + 3))
+    stats["pe/seconds"] = time.time() - began
+    fit = (f", held-out MSE {stats['pe/heldout_mse']:.4f} (a constant: "
+           f"{stats['pe/heldout_mse_of_constant']:.4f})" if "pe/heldout_mse" in stats else "")
+    print(f"progress estimator done in {stats['pe/seconds']:.0f}s: exploration success "
+          f"{stats['pe/explore_success']:.3f}, train loss {stats['pe/train_loss']:.4f}{fit}")
+    run.log(stats, 0)
+    if run.dist.is_main_process:
+        save_progress_estimator(path, pe, head, start_path)
     return pe, head
 
 
@@ -499,13 +540,14 @@ def policy_forward(model, value_head, prompts: list[list[int]], responses: list[
 
 # ---- 4. Arguments -------------------------------------------------------------------------------
 @dataclass
-class Args:
+class Args(HarnessArgs):
     """SPA (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
 
     The defaults --help shows are those a run takes for the --model, --env and --advantage
     given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
     other (real) model; the machine and the env set the device (cuda when there is one), the
-    evaluation splits and the env workers (envs/__init__.py)."""
+    evaluation splits and the env workers (envs/__init__.py). Where and how the run goes (device,
+    run directory, W&B, vLLM, data parallel): HarnessArgs, common/config.py."""
 
     exp_name: str = "spa"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -513,26 +555,10 @@ class Args:
     """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
     env: Literal["household", "alfworld"] = "household"
     """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
-    env_workers: int = 0
-    """processes that step a batch's games at once (0: this process)"""
     model: str = "tiny"
-    """local directory, hub id, bare Qwen name, tiny (shipped start) or tiny-scratch (BC first)"""
+    """a local directory, hub id or Qwen name; tiny, tiny-weak (shipped), tiny-scratch (BC)"""
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
     """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
-    device: str = "cpu"
-    """torch device (cuda when available, else cpu)"""
-    track: bool = False
-    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
-    wandb_project: str = "llm-agent-credit-assignment"
-    """Weights & Biases project of --track"""
-    run_dir: str = "runs"
-    """where run directories are created"""
-    resume: str | None = None
-    """a run directory to continue; only --iterations, --device, --process-timeout-* may differ"""
-    process_timeout_minutes: float = 120.0
-    """data parallel: how long a process waits for the others (torch's own for NCCL: 10)"""
-    deterministic: bool = True
-    """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
 
     # Reward: the method and the baseline it is compared against.
     advantage: Literal["spa", "ppo"] = "spa"
@@ -607,8 +633,6 @@ class Args:
     """step samples per optimizer step"""
     micro_batch_size: int = 16
     """step samples per forward pass"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, slower"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of every optimizer step"""
     rollout_temperature: float = 1.0
@@ -617,8 +641,6 @@ class Args:
     """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
     max_new_tokens: int = 12
     """response length limit"""
-    max_prompt_tokens: int = 2048
-    """prompt length limit; longer prompts drop their oldest history pairs first"""
     history_length: int = 1
     """past (observation, action) pairs shown in the prompt"""
     reasoning: bool = False
@@ -629,10 +651,6 @@ class Args:
     """LoRA rank of the RL adapter and the PE's (and of BC without --bc-full-params)"""
     lora_alpha: int = 32
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
 
     # Behavior cloning on expert trajectories (SPA's first stage)
     bc_epochs: int = 0
@@ -661,12 +679,6 @@ class Args:
     """sampling temperature of evaluation (0.4 in every script; SPA's paper: 0)"""
     save_every: int = 10
     """iterations between checkpoints (the last iteration is always saved)"""
-
-    # vLLM
-    vllm_gpu_memory_utilization: float = 0.35
-    """share of GPU memory vLLM may take (the rest holds the trainer)"""
-    vllm_sleep: bool = False
-    """vLLM: its weights to host memory and its KV cache freed during each update (small GPUs)"""
 
 
 PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
@@ -1037,31 +1049,20 @@ def parse_args(argv: list[str]) -> Args:
 
 
 def main(args: Args) -> dict:
-    errors = validate_args(args)
-    dist = start_processes(args)  # one process, or one of those `accelerate launch` started
+    one_process = []  # what several processes cannot do
+    if args.advantage == "spa" and args.progress_model is None and not args.resume:
+        one_process.append("exploration and the progress estimator's training run in one "
+                           "process: run `python spa.py ... --iterations 0` once, then launch RL "
+                           "with --rl-data online --progress-model <its run>/progress_model")
+    if args.rl_data == "explore":
+        one_process.append("--rl-data explore runs in one process (with several: --rl-data "
+                           "online)")
     also = " --progress-model <its run>/progress_model" if args.advantage == "spa" else ""
-    errors += launch_errors(args, dist, os.path.basename(__file__), also)
-    if dist.num_processes > 1:
-        if args.advantage == "spa" and args.progress_model is None and not args.resume:
-            errors.append("exploration and the progress estimator's training run in one "
-                          "process: run `python spa.py ... --iterations 0` once, then launch RL "
-                          "with --rl-data online --progress-model <its run>/progress_model")
-        if args.rl_data == "explore":
-            errors.append("--rl-data explore runs in one process (with several: --rl-data "
-                          "online)")
-    if errors:
-        raise UsageError("\n".join(errors))
-    if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
-        sys.stdout = open(os.devnull, "w")
-    seed_everything(args.seed, args.deterministic)
-    run = Run(args, os.path.basename(__file__))  # --resume: its checkpoint, checked
+    dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
+                                                   also=also, one_process=one_process)
     if args.resume and args.rl_data == "explore" and not os.path.isfile(run.file(EXPLORE_FILE)):
         raise UsageError(f"--resume {args.resume}: no {EXPLORE_FILE} in it (the exploration "
                          "rollouts --rl-data explore trains on)")
-    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
-    if args.tasks_per_iteration > len(train_tasks):
-        raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
-                         f"{len(train_tasks)} training tasks")
     # Exploration (the start policy's rollouts): what the PE learns from, and with --rl-data
     # explore what RL trains on, SPA and PPO alike.
     n_explore = min(args.explore_num_tasks or len(train_tasks), len(train_tasks))
@@ -1077,17 +1078,11 @@ def main(args: Args) -> dict:
             raise UsageError(f"--rl-data explore: {n_explore} tasks x "
                              f"{args.explore_rollouts} rollouts make {batches} batches of "
                              f"{batch_size}, fewer than --iterations {args.iterations}")
-    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
-                  for split in args.eval_splits}
-    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
-    print(json.dumps(asdict(args), indent=1))
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
     # then the LoRA adapter trained by RL.
-    model, tokenizer = run.load_model(vocab)
+    model, tokenizer = run.load_model()
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
-    if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     if args.bc_epochs > 0 and not args.resume:
         model = clone_start(args, run, model, tokenizer, train_tasks)
@@ -1122,25 +1117,8 @@ def main(args: Args) -> dict:
         if args.rl_data == "explore" and dist.is_main_process:  # what a resume trains on
             torch.save(explore_trajs, explore_file)
     if args.advantage == "spa":
-        pe_path = os.path.join(run.path, "progress_model")
-        if args.resume or args.progress_model:
-            pe, pe_head = load_progress_estimator(args, pe_start, args.progress_model or pe_path)
-        else:
-            pe = add_lora(pe_start, args.lora_r, args.lora_alpha, args.lora_dropout,
-                          args.lora_target_modules)
-            pe_head = make_head(pe.config.hidden_size, args.pe_head, run.device)
-            stats = train_progress_estimator(args, pe, pe_head, tokenizer, explore_trajs,
-                                             random.Random(args.seed + 3))
-            stats["pe/seconds"] = time.time() - t0
-            fit = (f", held-out MSE {stats['pe/heldout_mse']:.4f} (a constant: "
-                   f"{stats['pe/heldout_mse_of_constant']:.4f})" if "pe/heldout_mse" in stats
-                   else "")
-            print(f"progress estimator done in {stats['pe/seconds']:.0f}s: exploration success "
-                  f"{stats['pe/explore_success']:.3f}, train loss {stats['pe/train_loss']:.4f}"
-                  f"{fit}")
-            run.log(stats, 0)
-            if dist.is_main_process:
-                save_progress_estimator(pe_path, pe, pe_head, start_path)
+        pe, pe_head = progress_estimator(args, run, pe_start, tokenizer, explore_trajs,
+                                         start_path, t0)
         del pe_start
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in model.parameters() if p.requires_grad]},
@@ -1154,7 +1132,7 @@ def main(args: Args) -> dict:
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
 
     def run_eval(iteration: int) -> None:
-        policy.sync(run.path)
+        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
         for split, tasks in eval_tasks.items():
             t0 = time.time()
             stats = evaluate(args, policy, split, tasks)
@@ -1220,21 +1198,12 @@ def main(args: Args) -> dict:
                       "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))})
         if args.rl_data == "online":  # explore mode generates nothing here
             stats["rollout/tokens_per_second"] = n_tokens / max(rollout_seconds, 1e-9)
-        if pe is not None:  # does the PE's predicted outcome (Eq. 6) separate wins from losses?
-            predicted = {won: [sum(s["contrib"] for s in t["steps"]) for t in batch
-                               if t["won"] == won] for won in (True, False)}
-            stats.update({"reward/contrib_mean": float(np.mean([s["contrib"] for s in steps])),
-                          "reward/grounded": float(np.mean(
-                              [grounding_flag(s["next_state"], s["parsed"], args.env)
-                               for s in steps])),
-                          "pe/too_long": sum(gather_object([too_long]))})
-            for won, name in ((True, "won"), (False, "lost")):
-                if predicted[won]:
-                    stats[f"reward/predicted_outcome_{name}"] = float(np.mean(predicted[won]))
+        if pe is not None:
+            stats.update(progress_stats(args, batch, too_long))
         # Where the iteration's time went: prompts, generation, env, the scoring passes
         # (old_logprobs with values, ref_logprobs, progress), advantages and the update; the
         # main process's times.
-        stats.update(timings())
+        stats.update(timings())  # each timer("x") above as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
@@ -1249,10 +1218,7 @@ def main(args: Args) -> dict:
                      value_head=value_head, generator=generator, task_rng=task_rng)
     progress.close()
     summary = run.finish(history)
-    if policy.batcher is not None:  # free its KV caches, restore the model's attention
-        policy.batcher.close()
-    if dist.num_processes > 1:
-        dist.destroy_process_group()
+    policy.close()
     return summary
 
 

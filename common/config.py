@@ -17,12 +17,48 @@ import re
 import shlex
 import sys
 import typing
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import envs
 from common import RunStopped, UsageError
+from common.model import TINY_NAMES, TINY_STARTS
 
 OVERRIDABLE = ("iterations", "device", "process_timeout_minutes")  # what --resume may change
+
+
+@dataclass
+class HarnessArgs:
+    """Where and how a run goes: settings only the harness reads, the same in every script.
+    A script's Args extends this class, so --help lists these first (as CleanRL's do)."""
+
+    device: str = "cpu"
+    """torch device (cuda when available, else cpu)"""
+    deterministic: bool = True
+    """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
+    run_dir: str = "runs"
+    """where run directories are created"""
+    resume: str | None = None
+    """a run directory to continue; only --iterations, --device, --process-timeout-* may differ"""
+    track: bool = False
+    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
+    wandb_project: str = "llm-agent-credit-assignment"
+    """Weights & Biases project of --track"""
+    env_workers: int = 0
+    """processes that step a batch's games at once (0: this process)"""
+    process_timeout_minutes: float = 120.0
+    """data parallel: how long a process waits for the others (torch's own for NCCL: 10)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, slower"""
+    max_prompt_tokens: int = 2048
+    """prompt length limit; longer prompts drop their oldest history pairs first"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names, or all-linear"""
+    vllm_gpu_memory_utilization: float = 0.35
+    """share of GPU memory vLLM may take (the rest holds the trainer)"""
+    vllm_sleep: bool = False
+    """vLLM: its weights to host memory and its KV cache freed during each update (small GPUs)"""
 
 
 def preset_args(Args, presets: dict, model: str = "tiny", env: str = "household",
@@ -35,9 +71,9 @@ def preset_args(Args, presets: dict, model: str = "tiny", env: str = "household"
                 env_workers=envs.default_env_workers(env))
     if model == "tiny-scratch":
         args = replace(args, **presets["tiny-scratch"])
-    elif model != "tiny":
+    elif model not in TINY_NAMES:
         args = replace(args, **presets["real"])
-    size = "tiny" if model in ("tiny", "tiny-scratch") else "real"
+    size = "tiny" if model in TINY_NAMES else "real"
     if advantage is None or advantage == args.advantage:
         return args
     return replace(args, advantage=advantage, **presets.get(f"{size} baseline", {}))
@@ -175,8 +211,8 @@ def errors(args, ranges: dict[str, str]) -> list[str]:
     rules = [
         (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
          f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
-        (a.model != "tiny" or a.env == "household",
-         f"--model tiny knows only the household's words; for --env {a.env} use --model "
+        (a.model not in TINY_STARTS or a.env == "household",
+         f"--model {a.model} knows only the household's words; for --env {a.env} use --model "
          "tiny-scratch (words from ALFWorld's grammar) or a real one, e.g. Qwen2.5-1.5B-Instruct"),
         (len(a.eval_splits) >= 1, "--eval-splits needs at least one split"),
         (all(s in envs.SPLITS[a.env] for s in a.eval_splits),

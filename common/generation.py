@@ -491,6 +491,11 @@ class Policy:
             self.engine.wake_up()
             self.asleep = False
 
+    def close(self) -> None:
+        """hf-cb: free its KV caches and give the model its attention back (the end of a run)."""
+        if self.batcher is not None:
+            self.batcher.close()
+
     def logprob_gap(self, prompts: list[list[int]], responses: list[list[int]],
                     logprobs: list[list[float]], temperature: float) -> float:
         """Mean |log pi_trainer - log pi_sampler| over the response tokens of the first

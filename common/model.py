@@ -7,6 +7,8 @@
   * "tiny": the shipped start checkpoint assets/tiny-household (a 2-layer Qwen2 behavior-cloned on
     the household expert; how it was built is in its README.md). It needs no download and is what
     the embedded default starts from: the stand-in for an Instruct model.
+  * "tiny-weak": a weaker shipped start, assets/tiny-household-weak (the same model cloned on
+    fewer demonstrations; its README.md), for a protocol where the start fails more often;
   * "tiny-scratch": the same architecture with random weights and a word-level tokenizer built here
     with the `tokenizers` library over the environment's words, with a chat template (behavior
     cloning must come first).
@@ -27,8 +29,10 @@ from torch import Tensor
 
 from common import UsageError
 
-TINY_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               "assets", "tiny-household")
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+TINY_CHECKPOINT = os.path.join(ASSETS, "tiny-household")
+TINY_STARTS = {"tiny": TINY_CHECKPOINT, "tiny-weak": os.path.join(ASSETS, "tiny-household-weak")}
+TINY_NAMES = (*TINY_STARTS, "tiny-scratch")  # the models the tiny presets are for
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 # Kept as ordinary (decodable) tokens: responses decode to "<action> go to desk 1 </action>".
 TINY_TAG_TOKENS = ["<think>", "</think>", "<action>", "</action>"]
@@ -89,8 +93,8 @@ def build_tiny_model(vocab_size: int, seed: int, hidden_size: int = 128, num_lay
 
 def resolve_model_name(name: str) -> list[str]:
     """Where `name` may be found, in the order tried: the local directory, then hub ids."""
-    if name == "tiny":
-        return [TINY_CHECKPOINT]
+    if name in TINY_STARTS:
+        return [TINY_STARTS[name]]
     if os.path.isdir(os.path.expanduser(name)):
         return [os.path.expanduser(name)]
     if "/" not in name and re.match(r"(?i)qwen", name):
@@ -110,9 +114,10 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
 
     from transformers import AutoModelForCausalLM
 
-    if name == "tiny" and not os.path.isdir(TINY_CHECKPOINT):
-        raise UsageError(f"the shipped tiny model is missing ({TINY_CHECKPOINT}); restore it from "
-                         "git, or use --model tiny-scratch (random weights, behavior cloning)")
+    if name in TINY_STARTS and not os.path.isdir(TINY_STARTS[name]):
+        raise UsageError(f"the shipped {name} model is missing ({TINY_STARTS[name]}); restore "
+                         "it from git, or use --model tiny-scratch (random weights, behavior "
+                         "cloning)")
     errors = []
     for candidate in resolve_model_name(name):
         # Without a reachable hub, loading a hub id retries for about a minute before failing:

@@ -5,14 +5,14 @@ optimizer and every process's random streams, for --resume) and summary.json (wh
 read). The main process alone writes, but every process holds a Run and calls each method:
 Run(), keep_base and save wait for the others (a call on one process only would hang).
 
-    run = Run(args, "proxmo.py")           # names the run, or reads --resume's checkpoint
+    dist, run, train_tasks, eval_tasks = start_run(args, "proxmo.py", validate_args(args))
     model, tokenizer = run.load_model()    # --model, or the start a resumed run kept
     run.open()                             # only now a directory: a bad flag leaves nothing
     start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
     start_iteration, history = run.restore(optimizer=optimizer, generator=generator)  # --resume
     run.log(stats, iteration)
     run.save(model, start_path, iteration, history, optimizer=optimizer, generator=generator)
-    summary = run.finish(history)
+    summary = run.finish(history)          # summary.json, the lock released, the processes ended
 
 checkpoint is a link to checkpoint-<iteration>/: a checkpoint is written whole under another
 name, renamed to checkpoint-<iteration>/, and made the run's by replacing the link (a rename,
@@ -52,8 +52,11 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors import SafetensorError
 
+import envs
 from common import RunStopped, UsageError
+from common.dist import launch_errors, start_processes
 from common.model import check_lora_targets, load_model_and_tokenizer, resolve_model_name
+from envs.text import PROMPT_WORDS
 
 
 def seed_everything(seed: int, deterministic: bool = True) -> None:
@@ -191,6 +194,35 @@ def _flush_tree(path: str, files: bool = True) -> None:
         os.close(fd)
 
 
+def start_run(args, script: str, errors: list[str], method: str | None = None,
+              also: str = "", one_process: list[str] = ()) -> tuple[PartialState, Run, list, dict]:
+    """Every script's start, before its model: the processes (one, or those `accelerate launch`
+    started), every flag error at once as one UsageError (the script's `errors`, then what a
+    launch of several processes cannot do: launch_errors with `also`, and `one_process`), stdout
+    for the main process alone, the seeds, the Run (--resume: its checkpoint, checked), and the
+    tasks. Prints the configuration. Returns (dist, run, train_tasks, {split: its first
+    --eval-num-tasks tasks})."""
+    dist = start_processes(args)  # one process, or one of those `accelerate launch` started
+    script = os.path.basename(script)
+    errors = errors + launch_errors(args, dist, script, also)
+    if dist.num_processes > 1:
+        errors += list(one_process)
+    if errors:
+        raise UsageError("\n".join(errors))
+    if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
+        sys.stdout = open(os.devnull, "w")
+    seed_everything(args.seed, args.deterministic)
+    run = Run(args, script, method)
+    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
+    if args.tasks_per_iteration > len(train_tasks):
+        raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
+                         f"{len(train_tasks)} training tasks")
+    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
+                  for split in args.eval_splits}
+    print(json.dumps(asdict(args), indent=1))
+    return dist, run, train_tasks, eval_tasks
+
+
 class Run:
     """runs/<exp-name>__<env>__<method>__<seed>__<time>, or the --resume directory; with --resume,
     `state` is its checkpoint's trainer_state.pt, checked before anything is written."""
@@ -290,17 +322,24 @@ class Run:
             return str(self.dist.device)
         return self.args.device
 
-    def load_model(self, vocabulary: list[str] | None = None):
+    def load_model(self):
         """(model, tokenizer): --model, or on --resume the start model the run saved
-        (keep_base), in bfloat16 on a GPU and float32 on a CPU; --lora-target-modules checked
-        against it."""
+        (keep_base), in bfloat16 on a GPU and float32 on a CPU; tiny-scratch's tokenizer knows
+        the env's and the prompt's words; --lora-target-modules checked against it;
+        --gradient-checkpointing switched on."""
         args = self.args
         base = self.file("base_model")
         name = base if args.resume and os.path.isdir(base) else args.model
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        vocabulary = None
+        if args.model == "tiny-scratch":
+            vocabulary = envs.vocabulary(args.env) + PROMPT_WORDS
         model, tokenizer = load_model_and_tokenizer(name, vocabulary=vocabulary, seed=args.seed,
                                                     dtype=dtype, device=self.device)
         check_lora_targets(model, args.lora_target_modules)  # before the directory exists
+        if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         return model, tokenizer
 
     def keep_base(self, model, tokenizer) -> str:
@@ -479,8 +518,8 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
             self._link(max(whole)[1])
 
     def finish(self, history: dict) -> dict:
-        """Closes the loggers, writes summary.json and prints the headline: start, final and best
-        success on the first evaluation split."""
+        """Closes the loggers, writes summary.json, prints the headline (start, final and best
+        success on the first evaluation split) and ends the processes' group."""
         args = self.args
         if self.writer is not None:
             self.writer.close()
@@ -506,4 +545,6 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
         print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} "
               f"(final), best {summary['best_success']:.3f}; logs and checkpoint in {self.path} "
               f"(tensorboard --logdir {args.run_dir})")
+        if self.dist.num_processes > 1:
+            self.dist.destroy_process_group()
         return summary

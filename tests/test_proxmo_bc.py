@@ -6,7 +6,8 @@ import torch
 
 import envs
 from common.model import load_model_and_tokenizer
-from proxmo import PROMPT_WORDS, bc_loss
+from envs.text import PROMPT_WORDS
+from proxmo import bc_loss
 
 
 @pytest.fixture(scope="module")

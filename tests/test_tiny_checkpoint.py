@@ -19,7 +19,8 @@ sys.path.insert(0, ROOT)
 
 import envs  # noqa: E402
 from common.model import TINY_CHECKPOINT, load_model_and_tokenizer  # noqa: E402
-from proxmo import PROMPT_WORDS, Args, Policy, preset_args, rollout  # noqa: E402
+from envs.text import PROMPT_WORDS  # noqa: E402
+from proxmo import Args, Policy, preset_args, rollout  # noqa: E402
 
 RECORD = os.path.join(TINY_CHECKPOINT, "greedy_check.json")
 CANDIDATES = 40  # the recorder keeps the first NUM_TASKS of these first test tasks
