@@ -975,8 +975,7 @@ def main(args: Args) -> dict:
               "its raw outcome) and no DPO pair: the PRM never learns, and its step rewards only "
               "measure the policy's drift from the start", file=sys.stderr)
 
-    # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
-    # then the LoRA adapter trained by RL.
+    # Model: the start (--model, or cloned from the expert first), then RL's LoRA adapter.
     model, tokenizer = run.load_model()
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
 

@@ -804,8 +804,7 @@ def main(args: Args) -> dict:
         print("warning: --group-size 1: every episode advantage is 0 (a group of one has no "
               "baseline); only step advantages remain", file=sys.stderr)
 
-    # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
-    # then the LoRA adapter trained by RL.
+    # Model: the start (--model, or cloned from the expert first), then RL's LoRA adapter.
     model, tokenizer = run.load_model()
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
 

@@ -1079,8 +1079,7 @@ def main(args: Args) -> dict:
                              f"{args.explore_rollouts} rollouts make {batches} batches of "
                              f"{batch_size}, fewer than --iterations {args.iterations}")
 
-    # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
-    # then the LoRA adapter trained by RL.
+    # Model: the start (--model, or cloned from the expert first), then RL's LoRA adapter.
     model, tokenizer = run.load_model()
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
 
