@@ -960,6 +960,67 @@ def load_reward_models(args: Args, start_model, path: str):
     return models[0], head, hindsight
 
 
+def reward_models_stage(args: Args, run: Run, policy: Policy, start_model,
+                        train_tasks: list) -> tuple:
+    """(SPRM, head, hindsight model), frozen, for RL; None each with --advantage ppo. With
+    --resume or --reward-models, those saved (load_reward_models); else the policy, whose new
+    adapter is zero (the start policy), plays --collect-num-tasks training tasks (collect), the
+    reward models train on them from copies of start_model (train_reward_models), their
+    statistics are logged at iteration 0, and they are saved as the run's reward_models/."""
+    if args.advantage != "hisr":
+        return None, None, None
+    path = os.path.join(run.path, "reward_models")
+    if args.resume or args.reward_models:
+        return load_reward_models(args, start_model, args.reward_models or path)
+    t0 = time.time()
+    n_collect = min(args.collect_num_tasks or len(train_tasks), len(train_tasks))
+    tasks = random.Random(args.seed + 2).sample(train_tasks, n_collect)
+    policy.sync(run.path)
+    collected = collect(args, policy, tasks)
+    sprm, head, hindsight, stats = train_reward_models(args, start_model, policy.tokenizer,
+                                                       collected)
+    stats["aux/seconds"] = time.time() - t0
+    print(f"reward models done in {stats['aux/seconds']:.0f}s: collection success "
+          f"{stats['collect/success']:.3f}, kept {stats['collect/kept']} of {len(collected)} "
+          f"(success {stats['collect/kept_success']:.3f}), "
+          f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
+    if "sprm/heldout_mse" in stats:
+        print(f"  held out ({stats['aux/heldout']} rollouts, unfiltered; "
+              f"{stats['sprm/heldout_skipped_too_long']} too long for the SPRM): SPRM AUC "
+              f"{stats['sprm/heldout_auc']:.3f}, MSE {stats['sprm/heldout_mse']:.4f} "
+              f"(a constant: {stats['sprm/heldout_mse_of_constant']:.4f})")
+    if "hindsight/heldout_nll_hindsight" in stats:
+        print(f"  held out: hindsight NLL per token "
+              f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the policy: "
+              f"{stats['hindsight/heldout_nll_start_policy']:.4f})")
+    run.log(stats, 0)
+    if PartialState().is_main_process:
+        save_reward_models(path, sprm, head, hindsight, args)
+    PartialState().wait_for_everyone()
+    return sprm, head, hindsight
+
+
+def score_reward_models(args: Args, sprm, head, hindsight, tokenizer, trajs: list[dict]) -> dict:
+    """RL's reading of the frozen reward models, written into every trajectory: the segments and
+    their SPRM rewards (score_segments, Eq. 2), the hindsight log-probs (score_hindsight, Eq. 5's
+    numerator; w/o HIM log pi_hind = log pi_old, z = 1). Nothing with --advantage ppo (sprm
+    None). Returns how many inputs of each this process cut to fit, under the names the log
+    shows them; each pass timed under its name."""
+    cut = {"credit/sprm_inputs_cut": 0, "credit/hindsight_inputs_cut": 0}
+    if sprm is None:
+        return cut
+    with timer("sprm"):
+        cut["credit/sprm_inputs_cut"] = score_segments(args, sprm, head, tokenizer, trajs)
+    if hindsight is None:  # w/o HIM
+        for traj in trajs:
+            for step in traj["steps"]:
+                step["hind_logprobs"] = step["old_logprobs"]
+        return cut
+    with timer("hindsight"):
+        cut["credit/hindsight_inputs_cut"] = score_hindsight(args, hindsight, tokenizer, trajs)
+    return cut
+
+
 # ---- 3. Policy and value loss (Eq. 9) -----------------------------------------------------------
 def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
@@ -1543,6 +1604,27 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
     return {f"train/{k}": v for k, v in means.items()}
 
 
+def batch_stats(batch: list[dict], advantages: list, returns: list) -> dict:
+    """What the log shows of an iteration's batch (every process's summaries, with their
+    advantages and returns): success, grounding, well-formed replies, episode length, step
+    samples, the mean |advantage|, the critic's mean value and the share of the returns'
+    variance it explains, the mean step KL."""
+    abs_advantages = [abs(float(a)) for adv in advantages for a in adv]
+    steps = [s for tr in batch for s in tr["steps"]]
+    values = np.array([s["value"] for s in steps])
+    targets_g = np.array([g for ret in returns for g in ret])
+    return {"rollout/success": float(np.mean([t["won"] for t in batch])),
+            "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+            "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
+            "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+            "rollout/step_samples": len(steps),
+            "train/advantage_abs_mean": float(np.mean(abs_advantages)),
+            "train/value_mean": float(values.mean()),
+            "train/explained_variance": float(
+                1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
+            "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))}
+
+
 def validate_args(args: Args) -> list[str]:
     """One line per nonsensical value; [] when all are usable."""
     a = args
@@ -1570,11 +1652,11 @@ def main(args: Args) -> dict:
     dist = start_processes(args)  # one process, or one of those `accelerate launch` started
     also = " --reward-models <its run>/reward_models" if args.advantage == "hisr" else ""
     errors += launch_errors(args, dist, os.path.basename(__file__), also)
-    if dist.num_processes > 1:
-        if args.advantage == "hisr" and args.reward_models is None and not args.resume:
-            errors.append("collection and the reward models' training run in one process: run "
-                          "`python hisr.py ... --iterations 0` once, then launch RL with "
-                          "--reward-models <its run>/reward_models")
+    if (dist.num_processes > 1 and args.advantage == "hisr" and args.reward_models is None
+            and not args.resume):
+        errors.append("collection and the reward models' training run in one process: run "
+                      "`python hisr.py ... --iterations 0` once, then launch RL with "
+                      "--reward-models <its run>/reward_models")
     if errors:
         raise UsageError("\n".join(errors))
     if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
@@ -1585,11 +1667,6 @@ def main(args: Args) -> dict:
     if args.tasks_per_iteration > len(train_tasks):
         raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
                          f"{len(train_tasks)} training tasks")
-    # The collection (the start policy's rollouts): what the reward models learn from.
-    n_collect = min(args.collect_num_tasks or len(train_tasks), len(train_tasks))
-    collect_tasks = []
-    if args.advantage == "hisr" and args.reward_models is None and not args.resume:
-        collect_tasks = random.Random(args.seed + 2).sample(train_tasks, n_collect)
     eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
                   for split in args.eval_splits}
     vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
@@ -1621,42 +1698,9 @@ def main(args: Args) -> dict:
     engine = make_vllm_engine(start_path, args) if args.backend == "vllm" else None
     policy = Policy(args, model, tokenizer, engine)
 
-    # Collection and the reward models (Eqs. 2-4), or those saved before. The new adapter is
-    # zero, so the policy that collects is the start policy.
-    sprm = sprm_head = hindsight = None
-    collected: list[dict] = []
-    t0 = time.time()
-    if collect_tasks:
-        policy.sync(run.path)
-        collected = collect(args, policy, collect_tasks)
-    if args.advantage == "hisr":
-        aux_path = os.path.join(run.path, "reward_models")
-        if args.resume or args.reward_models:
-            sprm, sprm_head, hindsight = load_reward_models(args, aux_start,
-                                                            args.reward_models or aux_path)
-        else:
-            sprm, sprm_head, hindsight, stats = train_reward_models(args, aux_start, tokenizer,
-                                                                    collected)
-            stats["aux/seconds"] = time.time() - t0
-            print(f"reward models done in {stats['aux/seconds']:.0f}s: collection success "
-                  f"{stats['collect/success']:.3f}, kept {stats['collect/kept']} of "
-                  f"{len(collected)} "
-                  f"(success {stats['collect/kept_success']:.3f}), "
-                  f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
-            if "sprm/heldout_mse" in stats:
-                print(f"  held out ({stats['aux/heldout']} rollouts, unfiltered; "
-                      f"{stats['sprm/heldout_skipped_too_long']} too long for the SPRM): SPRM AUC "
-                      f"{stats['sprm/heldout_auc']:.3f}, MSE {stats['sprm/heldout_mse']:.4f} "
-                      f"(a constant: {stats['sprm/heldout_mse_of_constant']:.4f})")
-            if "hindsight/heldout_nll_hindsight" in stats:
-                print(f"  held out: hindsight NLL per token "
-                      f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the policy: "
-                      f"{stats['hindsight/heldout_nll_start_policy']:.4f})")
-            run.log(stats, 0)
-            if dist.is_main_process:
-                save_reward_models(aux_path, sprm, sprm_head, hindsight, args)
-            dist.wait_for_everyone()
-        del aux_start
+    # Collection and the reward models (Eqs. 2-4), or those saved before.
+    sprm, sprm_head, hindsight = reward_models_stage(args, run, policy, aux_start, train_tasks)
+    del aux_start
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in model.parameters() if p.requires_grad]},
          {"params": list(value_head.parameters()), "lr": args.value_learning_rate}],
@@ -1694,17 +1738,7 @@ def main(args: Args) -> dict:
         # (2-4) old log-probs (Eq. 5's denominator) and values, the reference's step KL; the
         # segments and their SPRM rewards (Eq. 2), the hindsight log-probs (Eq. 5's numerator).
         score_rollouts(args, model, value_head, tokenizer, trajs)
-        cut = {"sprm": 0, "hindsight": 0}
-        if sprm is not None:
-            with timer("sprm"):
-                cut["sprm"] = score_segments(args, sprm, sprm_head, tokenizer, trajs)
-        if hindsight is not None:
-            with timer("hindsight"):
-                cut["hindsight"] = score_hindsight(args, hindsight, tokenizer, trajs)
-        elif sprm is not None:  # w/o HIM: log pi_hind = log pi_old, z = 1
-            for traj in trajs:
-                for step in traj["steps"]:
-                    step["hind_logprobs"] = step["old_logprobs"]
+        cut = score_reward_models(args, sprm, sprm_head, hindsight, tokenizer, trajs)
         # (5) importance (Eqs. 5-6), modulated segment rewards (Eq. 7), fused rewards (Eq. 8) and
         # GAE over the whole batch (whitened over all of it); each process keeps the advantages
         # and returns of its trajectories.
@@ -1724,30 +1758,15 @@ def main(args: Args) -> dict:
             stats = policy_update(args, model, value_head, tokenizer, optimizer, samples,
                                   generator, iteration)
         n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
-        abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
-        steps = [s for tr in batch for s in tr["steps"]]
-        values = np.array([s["value"] for s in steps])
-        targets_g = np.array([g for ret in batch_returns for g in ret])
-        stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
-                      "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
-                      "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
-                      "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
-                      "rollout/step_samples": len(steps),
-                      "time/rollout_seconds": rollout_seconds,
+        stats.update(batch_stats(batch, batch_advantages, batch_returns))
+        stats.update({"time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0,
-                      "train/advantage_abs_mean": float(np.mean(abs_advantages)),
-                      "train/value_mean": float(values.mean()),
-                      "train/explained_variance": float(
-                          1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
-                      "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps])),
                       "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9)})
         if sprm is not None:
             stats.update(credit_stats(args, batch))
-            stats.update({"credit/sprm_inputs_cut": sum(gather_object([cut["sprm"]])),
-                          "credit/hindsight_inputs_cut": sum(gather_object([cut["hindsight"]]))})
-        # Where the iteration's time went: prompts, generation, env, the scoring passes
-        # (old_logprobs with values, ref_logprobs, sprm, hindsight), advantages and the update; the
-        # main process's times.
+            stats.update({name: sum(gather_object([n])) for name, n in cut.items()})
+        # Where the iteration's time went (the main process's): prompts, generation, env, the
+        # scoring (old_logprobs with values, ref_logprobs, sprm, hindsight), advantages, update.
         stats.update(timings())
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
