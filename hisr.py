@@ -256,24 +256,30 @@ def fused_rewards(him: Tensor, grounded: Tensor, alpha: float = 0.3, step_kl: Te
     return rewards
 
 
+# PPO with a critic: GAE, whitening and the grounding terms, the same text in spa.py and hisr.py
+# (tests/test_spa_rewards.py).
 def grounding_terms(grounded: Tensor, form: str = "cost") -> Tensor:
-    """(m,) admissibility flags -> (m,) float64 grounding terms before the weight alpha: "eq8"
-    g_k as written in Eq. 8, "cost" g_k - 1 (0 admissible, -1 not: an admissible turn earns
-    nothing, so a longer episode earns no more). [1, 0, 1] -> eq8 [1, 0, 1], cost [0, -1, 0]."""
+    """(m,) grounding flags g (1: the action could be executed, 0: not) -> (m,) float64 terms
+    before their weight (SPA's beta, HISR's alpha): "eq8" g as written in Eq. 8, "cost" g - 1
+    (0 for a grounded step, -1 for another: a grounded step earns nothing, so a longer episode
+    earns no more). [1, 0, 1] -> eq8 [1, 0, 1], cost [0, -1, 0]; lists are read as tensors."""
     if form not in ("cost", "eq8"):
         raise ValueError(f"form must be cost or eq8, got {form!r}")
-    grounded = grounded.double()
+    grounded = torch.as_tensor(grounded, dtype=torch.float64)
     return grounded - 1 if form == "cost" else grounded
 
 
 def gae(rewards: Tensor, values: Tensor, gamma: float = 0.99, lam: float = 0.95,
         last_value: float = 0.0) -> tuple[Tensor, Tensor]:
-    """(advantages, returns) of one trajectory, (m,) -> (m,) x 2 (Eq. 9's delta): delta_k = r_k +
-    gamma V_{k+1} - V_k, A_k = delta_k + gamma lam A_{k+1}, V_m = last_value (0 here: success and
-    the step limit both end the episode), G_k = A_k + V_k."""
+    """GAE over one trajectory, the delta of the PPO loss (SPA's Eq. 10, HISR's Eq. 9): delta_k =
+    r_k + gamma V_{k+1} - V_k, A_k = delta_k + gamma lam A_{k+1}, V_m = last_value (0 here:
+    success and the step limit alike end the episode). (m,) rewards and values (lists are read
+    as tensors) -> (advantages, returns = A + V, the critic's targets), (m,) float64 each;
+    empty -> empty; ValueError when the lengths differ."""
     if len(rewards) != len(values):
         raise ValueError(f"{len(rewards)} rewards but {len(values)} values")
-    rewards, values = rewards.double(), values.double()
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    values = torch.as_tensor(values, dtype=torch.float64)
     advantages = torch.zeros_like(rewards)
     next_value, running = float(last_value), 0.0
     for k in range(len(rewards) - 1, -1, -1):
@@ -285,11 +291,20 @@ def gae(rewards: Tensor, values: Tensor, gamma: float = 0.99, lam: float = 0.95,
 
 
 def whiten(x: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / sqrt(population variance + eps); one element -> 0; empty -> empty."""
+    """(x - mean) / sqrt(population variance + eps) over all of x, float64 (a list is read as a
+    tensor); one value -> 0; empty -> empty."""
+    x = torch.as_tensor(x, dtype=torch.float64)
     if x.numel() == 0:
-        return x.double()
-    x = x.double()
+        return x
     return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + eps)
+
+
+def whiten_pooled(advantages: list[Tensor]) -> list[Tensor]:
+    """Every trajectory's (m_i,) advantages whitened pooled over the batch and split back in
+    order, float64; an empty trajectory stays empty and out of the statistics; [] -> []."""
+    if not advantages:
+        return advantages
+    return list(whiten(torch.cat(advantages)).split([len(a) for a in advantages]))
 
 
 def modulated_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, scale: str = "unit",
@@ -304,13 +319,6 @@ def modulated_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, scale
     if len(seg_rewards) != n:
         raise ValueError(f"{len(seg_rewards)} segment rewards but {n} segments")
     return modulate_segment_rewards(seg_rewards, importance, scale)
-
-
-def whiten_pooled(advantages: list[Tensor]) -> list[Tensor]:
-    """Whiten every trajectory's advantages pooled over the batch, split back in order."""
-    if not advantages:
-        return advantages
-    return list(whiten(torch.cat(advantages)).split([len(a) for a in advantages]))
 
 
 def hisr_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, grounded: Tensor,
