@@ -17,35 +17,33 @@ reward. Two things differ from SPA:
 
 Departures from the paper (no code was released; spec: `Choice:`; in full: docs/hisr.md,
 "Departures from the paper, in full"):
-  * Segments end at environment events, not GPT-4o's; --segmenter turns ("w/o SPR") or whole.
-  * Collection drops trajectories with a malformed reply (--collect-filter loops: 3-turn loops
-    too); a held-out tenth of the tasks (--aux-heldout) reports the reward models' fit.
+  * Segments end at environment events, not GPT-4o's; --segmenter turns: one a turn ("w/o SPR").
+  * Collection drops trajectories with a malformed reply (--collect-filter none keeps them); a
+    held-out tenth of the tasks (--aux-heldout) reports the reward models' fit.
   * SPRM head W2 SiLU(W1 h), no biases, W2 zero at the start; both reward models are full copies,
-    every weight trained (--no-aux-full-params: a LoRA adapter on each).
-  * Inputs: one chat of the episode; the cloze shows all but reply k, turn k's admissible actions
-    (--no-hindsight-admissible), the outcome; float32; over --aux-max-tokens: cut, counted.
+    every weight trained.
+  * Inputs: one chat of the episode; the cloze shows all but reply k, turn k's admissible
+    actions, the outcome; float32; over --aux-max-tokens: cut, counted.
   * Eq. 5 over the rollout policy; Eq. 7 L1 times the SPRM's mass (--him-scale sprm; unit: Eq. 7
-    as written), on the last turn (--him-placement uniform); --no-use-hindsight (w/o HIM): z = 1,
-    and no hindsight model is trained.
+    as written), on the segment's last turn; --no-use-hindsight (w/o HIM): z = 1, and no
+    hindsight model is trained.
   * Grounding as a cost, alpha * (g_t - 1), Eq. 8 less a constant per turn: --grounding-form eq8.
-  * Online RL by default (the paper does not say); --rl-data explore: one pass over the
-    collection, as SPA's code; --advantage ppo then trains on the same rollouts.
+  * Online RL: every iteration rolls out the current policy (the paper does not say).
   * PPO, KL (fixed 0.01) and critic as spa.py's: a value head sharing the LoRA, not the spec's
     separate critic adapter, so that the two scripts differ only in their rewards.
   * Batch and tiny presets: the harness's (the spec's tiny: 16 rollouts, 4 epochs of 64, rank 8);
     real preset: the spec's, but the harness's BC; the paper's Llama-3.2-3B-Instruct: --model.
-  * --segmenter whole with --him-scale unit gives every trajectory +-1: the run warns.
   * Harness prompts, rollouts, BC; eval at 0.4 (the paper: --eval-temperature 0); tiny ships
     cloned (--bc-epochs 0), real models clone with LoRA (the paper: every weight).
-  * Not built: one shared base for the --no-aux-full-params adapters (each has its own float32
-    copy); streaming the cloze inputs (a batch's are encoded up front).
+  * Not built: streaming the cloze inputs (a batch's are encoded up front).
+  * Readings removed in issue 44 (commit 32ae25f has them): docs/hisr.md, "Readings removed".
 
 Run:
     python hisr.py                          # tiny model, built-in household, CPU, minutes
     python hisr.py --advantage ppo          # the baseline: PPO on the sparse outcome
     python hisr.py --no-use-hindsight       # the ablations: w/o HIM, --segmenter turns (w/o
                                             # SPR), both, --grounding-weight 0 (w/o AGR)
-    python hisr.py --rl-data explore --collect-num-tasks 64 --collect-rollouts 4  # offline RL
+    python hisr.py --him-scale unit --grounding-form eq8    # Eqs. 7 and 8 as written
     python hisr.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the real run
 
 Sections: 1 HISR rewards and advantages, 2 segments and the reward models, 3 policy and value loss,
@@ -258,24 +256,30 @@ def fused_rewards(him: Tensor, grounded: Tensor, alpha: float = 0.3, step_kl: Te
     return rewards
 
 
+# PPO with a critic: GAE, whitening and the grounding terms, the same text in spa.py and hisr.py
+# (tests/test_spa_rewards.py).
 def grounding_terms(grounded: Tensor, form: str = "cost") -> Tensor:
-    """(m,) admissibility flags -> (m,) float64 grounding terms before the weight alpha: "eq8"
-    g_k as written in Eq. 8, "cost" g_k - 1 (0 admissible, -1 not: an admissible turn earns
-    nothing, so a longer episode earns no more). [1, 0, 1] -> eq8 [1, 0, 1], cost [0, -1, 0]."""
+    """(m,) grounding flags g (1: the action could be executed, 0: not) -> (m,) float64 terms
+    before their weight (SPA's beta, HISR's alpha): "eq8" g as written in Eq. 8, "cost" g - 1
+    (0 for a grounded step, -1 for another: a grounded step earns nothing, so a longer episode
+    earns no more). [1, 0, 1] -> eq8 [1, 0, 1], cost [0, -1, 0]; lists are read as tensors."""
     if form not in ("cost", "eq8"):
         raise ValueError(f"form must be cost or eq8, got {form!r}")
-    grounded = grounded.double()
+    grounded = torch.as_tensor(grounded, dtype=torch.float64)
     return grounded - 1 if form == "cost" else grounded
 
 
 def gae(rewards: Tensor, values: Tensor, gamma: float = 0.99, lam: float = 0.95,
         last_value: float = 0.0) -> tuple[Tensor, Tensor]:
-    """(advantages, returns) of one trajectory, (m,) -> (m,) x 2 (Eq. 9's delta): delta_k = r_k +
-    gamma V_{k+1} - V_k, A_k = delta_k + gamma lam A_{k+1}, V_m = last_value (0 here: success and
-    the step limit both end the episode), G_k = A_k + V_k."""
+    """GAE over one trajectory, the delta of the PPO loss (SPA's Eq. 10, HISR's Eq. 9): delta_k =
+    r_k + gamma V_{k+1} - V_k, A_k = delta_k + gamma lam A_{k+1}, V_m = last_value (0 here:
+    success and the step limit alike end the episode). (m,) rewards and values (lists are read
+    as tensors) -> (advantages, returns = A + V, the critic's targets), (m,) float64 each;
+    empty -> empty; ValueError when the lengths differ."""
     if len(rewards) != len(values):
         raise ValueError(f"{len(rewards)} rewards but {len(values)} values")
-    rewards, values = rewards.double(), values.double()
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    values = torch.as_tensor(values, dtype=torch.float64)
     advantages = torch.zeros_like(rewards)
     next_value, running = float(last_value), 0.0
     for k in range(len(rewards) - 1, -1, -1):
@@ -287,11 +291,20 @@ def gae(rewards: Tensor, values: Tensor, gamma: float = 0.99, lam: float = 0.95,
 
 
 def whiten(x: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / sqrt(population variance + eps); one element -> 0; empty -> empty."""
+    """(x - mean) / sqrt(population variance + eps) over all of x, float64 (a list is read as a
+    tensor); one value -> 0; empty -> empty."""
+    x = torch.as_tensor(x, dtype=torch.float64)
     if x.numel() == 0:
-        return x.double()
-    x = x.double()
+        return x
     return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + eps)
+
+
+def whiten_pooled(advantages: list[Tensor]) -> list[Tensor]:
+    """Every trajectory's (m_i,) advantages whitened pooled over the batch and split back in
+    order, float64; an empty trajectory stays empty and out of the statistics; [] -> []."""
+    if not advantages:
+        return advantages
+    return list(whiten(torch.cat(advantages)).split([len(a) for a in advantages]))
 
 
 def modulated_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, scale: str = "unit",
@@ -306,13 +319,6 @@ def modulated_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, scale
     if len(seg_rewards) != n:
         raise ValueError(f"{len(seg_rewards)} segment rewards but {n} segments")
     return modulate_segment_rewards(seg_rewards, importance, scale)
-
-
-def whiten_pooled(advantages: list[Tensor]) -> list[Tensor]:
-    """Whiten every trajectory's advantages pooled over the batch, split back in order."""
-    if not advantages:
-        return advantages
-    return list(whiten(torch.cat(advantages)).split([len(a) for a in advantages]))
 
 
 def hisr_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, grounded: Tensor,
@@ -385,9 +391,9 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list
     for inputs in batch:
         inputs["grounded"] = grounding_terms(inputs["grounded"], args.grounding_form)
     return hisr_advantages(batch, beta=args.importance_beta, alpha=args.grounding_weight,
-                           gamma=args.gamma, lam=args.gae_lambda, placement=args.him_placement,
-                           scale=args.him_scale, use_hindsight=args.use_hindsight,
-                           kl_coef=args.kl_coef, normalize=args.normalize_advantages)
+                           gamma=args.gamma, lam=args.gae_lambda, scale=args.him_scale,
+                           use_hindsight=args.use_hindsight, kl_coef=args.kl_coef,
+                           normalize=args.normalize_advantages)
 
 
 def advantage_inputs(traj: dict) -> dict:
@@ -420,8 +426,7 @@ def credit_stats(args: Args, trajectories: list[dict]) -> dict:
     the single-segment share, mean z, the sum of R^_him by outcome, the mean share of |R^| and
     |R^_him| on the first, middle and last segments of trajectories with 2+ segments, and how
     well the SPRM's predicted outcome (sum of R^) separates the batch's wins from its losses
-    (AUC; nan for a batch of one outcome): online, under the policy's drift; with --rl-data
-    explore mostly on the SPRM's own training data."""
+    (AUC; nan for a batch of one outcome), under the policy's drift."""
     shares = defaultdict(list)
     sums = {True: [], False: []}
     z_all = []
@@ -501,12 +506,9 @@ def action_end_positions(assistant_mask: list[int]) -> list[int]:
 
 def trajectory_segments(args: Args, traj: dict) -> list[int]:
     """Segment id of every turn: --segmenter events (segment_ids_from_events on the feedback each
-    action got, with the goal's object), turns (one per turn: "w/o SPR") or whole (one)."""
-    m = len(traj["steps"])
+    action got, with the goal's object) or turns (one per turn: "w/o SPR")."""
     if args.segmenter == "turns":
-        return list(range(m))
-    if args.segmenter == "whole":
-        return [0] * m
+        return list(range(len(traj["steps"])))
     feedback = [s["next_state"] for s in traj["steps"]]
     return segment_ids_from_events(feedback, goal_object(traj["task"])).tolist()
 
@@ -594,19 +596,17 @@ def segment_scores(sprm, head, sequences: list[tuple[list[int], list[int], list[
 
 
 def cloze_messages(traj: dict, replies: list[str], k: int, shown: range,
-                   texts: tuple[str, str, str] = CLOZE_TEXTS["real"],
-                   admissible: bool = True) -> list[dict]:
+                   texts: tuple[str, str, str] = CLOZE_TEXTS["real"]) -> list[dict]:
     """The hindsight model's input for turn k (Eq. 4): the instruction, the task and first
     observation, the turns in `shown` with their replies (decoded, stripped) and observations
     (the last one included) and reply k hidden, then the outcome and the request (texts: see
-    CLOZE_TEXTS); the generation prompt follows. With admissible, the message before the hidden
-    reply ends with turn k's admissible actions (steps[k]["admissible"]), as the policy's prompt
-    listed them."""
+    CLOZE_TEXTS); the generation prompt follows. The message before the hidden reply ends with
+    turn k's admissible actions (steps[k]["admissible"]), as the policy's prompt listed them."""
     instruction, hidden, ask = texts
     steps = traj["steps"]
     messages = [first_message(traj, instruction)]
     for t in shown:
-        if t == k and admissible:
+        if t == k:
             actions = CLOZE_ADMISSIBLE.format(actions=", ".join(steps[k]["admissible"]))
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + "\n" + actions}
         messages.append({"role": "assistant", "content": hidden if t == k else replies[t]})
@@ -624,8 +624,7 @@ def encode_cloze(args: Args, tokenizer, traj: dict, replies: list[str],
     m, target = len(traj["steps"]), len(traj["steps"][k]["response_ids"])
     low, high, after = 0, m - 1, True
     while True:
-        messages = cloze_messages(traj, replies, k, range(low, high + 1), cloze_texts(args),
-                                  args.hindsight_admissible)
+        messages = cloze_messages(traj, replies, k, range(low, high + 1), cloze_texts(args))
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) + target <= args.aux_max_tokens or low == high == k:
@@ -635,9 +634,6 @@ def encode_cloze(args: Args, tokenizer, traj: dict, replies: list[str],
         else:
             low += 1
         after = not after
-
-
-COLLECTED_FILE = "collected_rollouts.pt"  # in the run directory: what --rl-data explore trains on
 
 
 def collect(args: Args, policy: Policy, tasks: list) -> list[dict]:
@@ -669,20 +665,12 @@ def repeats_itself(reply: str) -> bool:
     return REPEATED_TEXT_RE.search(" ".join(reply.split())) is not None
 
 
-def keep_for_training(traj: dict, replies: list[str], loops: bool = False,
-                      repeats: int = 3) -> bool:
+def keep_for_training(traj: dict, replies: list[str]) -> bool:
     """The collection filter (the paper's "format errors or repetition"): every reply well formed
-    (an action) and none repeating itself (replies: the decoded replies, in turn order). With
-    loops, also no executed action that gets the same feedback `repeats` turns in a row (the old
-    reading, --collect-filter loops: it dropped 35-42 % of the collection, mostly failures)."""
+    (an action) and none repeating itself (replies: the decoded replies, in turn order). A
+    failure that loops is kept: the paper keeps 92.7 % of its rollouts."""
     steps = traj["steps"]
-    if not all(s["well_formed"] for s in steps) or any(repeats_itself(r) for r in replies):
-        return False
-    if not loops:
-        return True
-    pairs = [(s["action"], s["next_state"]) for s in steps]
-    return not any(len(set(pairs[k:k + repeats])) == 1
-                   for k in range(len(pairs) - repeats + 1))
+    return all(s["well_formed"] for s in steps) and not any(repeats_itself(r) for r in replies)
 
 
 def split_heldout(trajs: list[dict], share: float, rng: random.Random) -> tuple[list, list]:
@@ -881,15 +869,10 @@ def score_hindsight(args: Args, hindsight, tokenizer, trajs: list[dict]) -> int:
     return sum(s[3] for s in samples)
 
 
-def auxiliary_copy(args: Args, start_model):
+def auxiliary_copy(start_model):
     """A copy of the start policy to train into the SPRM or the hindsight model, in float32 (the
-    paper's learning rates of 1e-6 would round away in bf16 weights): every weight trainable
-    (--aux-full-params), or a fresh LoRA adapter on the copy."""
-    model = copy.deepcopy(start_model).float()
-    if args.aux_full_params:
-        return model.requires_grad_(True)
-    return add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
-                    args.lora_target_modules)
+    paper's learning rates of 1e-6 would round away in bf16 weights), every weight trainable."""
+    return copy.deepcopy(start_model).float().requires_grad_(True)
 
 
 def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict]) -> tuple:
@@ -902,8 +885,7 @@ def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict
         t["seg_ids"] = trajectory_segments(args, t)
     replies = [tokenizer.batch_decode([s["response_ids"] for s in t["steps"]],
                                       skip_special_tokens=True) for t in collected]
-    loops = args.collect_filter == "loops"
-    kept = [args.collect_filter == "none" or keep_for_training(t, r, loops)
+    kept = [args.collect_filter == "none" or keep_for_training(t, r)
             for t, r in zip(collected, replies)]
     tasks_train, heldout = split_heldout(collected, args.aux_heldout,
                                          random.Random(args.seed + 3))
@@ -921,33 +903,29 @@ def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict
                  [max(t["seg_ids"]) + 1 for t in collected])),
              "aux/trained_on": len(train), "aux/heldout": len(heldout)}
     device = next(start_model.parameters()).device
-    sprm = auxiliary_copy(args, start_model)
+    sprm = auxiliary_copy(start_model)
     head = SegmentRewardHead(start_model.config.hidden_size).to(device)
     stats.update(train_sprm(args, sprm, head, tokenizer, collected, train, heldout,
                             random.Random(args.seed + 4)))
     hindsight = None  # w/o HIM (--no-use-hindsight) reads no hindsight model
     if args.use_hindsight:
-        hindsight = auxiliary_copy(args, start_model)
+        hindsight = auxiliary_copy(start_model)
         stats.update(train_hindsight(args, hindsight, start_model, tokenizer, collected, train,
                                      heldout, random.Random(args.seed + 5)))
     return sprm, head, hindsight, stats
 
 
 # What the reward models' inputs and data depend on: a run that loads them must read alike.
-READING = ("segmenter", "hindsight_admissible", "collect_filter")
+READING = ("segmenter", "collect_filter")
 
 
 def save_reward_models(path: str, sprm, head, hindsight, args: Args) -> None:
-    """The trained SPRM (weights or adapter, and head.pt) and hindsight model (unless None)
-    under path/, with reading.json: the settings of READING they were trained with."""
+    """The trained SPRM (model.pt and head.pt) and hindsight model (model.pt, unless None) under
+    path/, with reading.json: the settings of READING they were trained with."""
     for name, model in (("sprm", sprm), ("hindsight", hindsight)):
-        if model is None:
-            continue
-        os.makedirs(os.path.join(path, name), exist_ok=True)
-        if args.aux_full_params:
+        if model is not None:
+            os.makedirs(os.path.join(path, name), exist_ok=True)
             torch.save(model.state_dict(), os.path.join(path, name, "model.pt"))
-        else:
-            model.save_pretrained(os.path.join(path, name), save_embedding_layers=False)
     torch.save(head.state_dict(), os.path.join(path, "sprm", "head.pt"))
     with open(os.path.join(path, "reading.json"), "w") as f:
         json.dump({name: getattr(args, name) for name in READING}, f, indent=1)
@@ -955,33 +933,32 @@ def save_reward_models(path: str, sprm, head, hindsight, args: Args) -> None:
 
 def load_reward_models(args: Args, start_model, path: str):
     """(SPRM, head, hindsight model), frozen, from a directory save_reward_models wrote; refused
-    when they were trained with other settings of READING than args. w/o HIM
-    (--no-use-hindsight) loads no hindsight model: None."""
+    when they were trained with other settings of READING than args, or without the admissible
+    actions in the cloze (a reading removed in issue 44). w/o HIM (--no-use-hindsight) loads no
+    hindsight model: None."""
     found = os.path.join(path, "sprm", "head.pt")
-    weights = "model.pt" if args.aux_full_params else "adapter_config.json"
     reading = os.path.join(path, "reading.json")
     names = ["sprm", "hindsight"] if args.use_hindsight else ["sprm"]
-    needed = [found, reading] + [os.path.join(path, name, weights) for name in names]
+    needed = [found, reading] + [os.path.join(path, name, "model.pt") for name in names]
     missing = [p for p in needed if not os.path.isfile(p)]
     if missing:
         raise UsageError(f"--reward-models {path}: {', '.join(missing)} missing (not a "
-                         "reward_models/ directory of hisr.py with the same --aux-full-params, "
-                         "one trained with --no-use-hindsight, or one written before "
-                         "reading.json existed?)")
+                         "reward_models/ directory of hisr.py, one trained with "
+                         "--no-use-hindsight, one written before reading.json existed, or "
+                         "LoRA adapters of --no-aux-full-params, removed in issue 44?)")
     with open(reading) as f:
         trained = json.load(f)
     differ = [f"--{n.replace('_', '-')} {trained.get(n)!r} (this run: {getattr(args, n)!r})"
               for n in READING if trained.get(n) != getattr(args, n)]
+    if trained.get("hindsight_admissible", True) is not True:  # saved before issue 44
+        differ.append("--no-hindsight-admissible (removed in issue 44; commit 32ae25f has it)")
     if differ:
         raise UsageError(f"--reward-models {path} were trained with " + ", ".join(differ))
     models = []
     for name in names:
         model = copy.deepcopy(start_model).float()
-        if args.aux_full_params:
-            model.load_state_dict(torch.load(os.path.join(path, name, "model.pt"),
-                                             map_location="cpu"))
-        else:
-            model = load_lora(model, os.path.join(path, name))
+        model.load_state_dict(torch.load(os.path.join(path, name, "model.pt"),
+                                         map_location="cpu"))
         models.append(model)
     device = next(start_model.parameters()).device
     head = SegmentRewardHead(start_model.config.hidden_size).to(device)
@@ -989,6 +966,67 @@ def load_reward_models(args: Args, start_model, path: str):
     freeze(head, *models)
     hindsight = models[1] if args.use_hindsight else None
     return models[0], head, hindsight
+
+
+def reward_models_stage(args: Args, run: Run, policy: Policy, start_model,
+                        train_tasks: list) -> tuple:
+    """(SPRM, head, hindsight model), frozen, for RL; None each with --advantage ppo. With
+    --resume or --reward-models, those saved (load_reward_models); else the policy, whose new
+    adapter is zero (the start policy), plays --collect-num-tasks training tasks (collect), the
+    reward models train on them from copies of start_model (train_reward_models), their
+    statistics are logged at iteration 0, and they are saved as the run's reward_models/."""
+    if args.advantage != "hisr":
+        return None, None, None
+    path = os.path.join(run.path, "reward_models")
+    if args.resume or args.reward_models:
+        return load_reward_models(args, start_model, args.reward_models or path)
+    t0 = time.time()
+    n_collect = min(args.collect_num_tasks or len(train_tasks), len(train_tasks))
+    tasks = random.Random(args.seed + 2).sample(train_tasks, n_collect)
+    policy.sync(run.path)
+    collected = collect(args, policy, tasks)
+    sprm, head, hindsight, stats = train_reward_models(args, start_model, policy.tokenizer,
+                                                       collected)
+    stats["aux/seconds"] = time.time() - t0
+    print(f"reward models done in {stats['aux/seconds']:.0f}s: collection success "
+          f"{stats['collect/success']:.3f}, kept {stats['collect/kept']} of {len(collected)} "
+          f"(success {stats['collect/kept_success']:.3f}), "
+          f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
+    if "sprm/heldout_mse" in stats:
+        print(f"  held out ({stats['aux/heldout']} rollouts, unfiltered; "
+              f"{stats['sprm/heldout_skipped_too_long']} too long for the SPRM): SPRM AUC "
+              f"{stats['sprm/heldout_auc']:.3f}, MSE {stats['sprm/heldout_mse']:.4f} "
+              f"(a constant: {stats['sprm/heldout_mse_of_constant']:.4f})")
+    if "hindsight/heldout_nll_hindsight" in stats:
+        print(f"  held out: hindsight NLL per token "
+              f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the policy: "
+              f"{stats['hindsight/heldout_nll_start_policy']:.4f})")
+    run.log(stats, 0)
+    if PartialState().is_main_process:
+        save_reward_models(path, sprm, head, hindsight, args)
+    PartialState().wait_for_everyone()
+    return sprm, head, hindsight
+
+
+def score_reward_models(args: Args, sprm, head, hindsight, tokenizer, trajs: list[dict]) -> dict:
+    """RL's reading of the frozen reward models, written into every trajectory: the segments and
+    their SPRM rewards (score_segments, Eq. 2), the hindsight log-probs (score_hindsight, Eq. 5's
+    numerator; w/o HIM log pi_hind = log pi_old, z = 1). Nothing with --advantage ppo (sprm
+    None). Returns how many inputs of each this process cut to fit, under the names the log
+    shows them; each pass timed under its name."""
+    cut = {"credit/sprm_inputs_cut": 0, "credit/hindsight_inputs_cut": 0}
+    if sprm is None:
+        return cut
+    with timer("sprm"):
+        cut["credit/sprm_inputs_cut"] = score_segments(args, sprm, head, tokenizer, trajs)
+    if hindsight is None:  # w/o HIM
+        for traj in trajs:
+            for step in traj["steps"]:
+                step["hind_logprobs"] = step["old_logprobs"]
+        return cut
+    with timer("hindsight"):
+        cut["credit/hindsight_inputs_cut"] = score_hindsight(args, hindsight, tokenizer, trajs)
+    return cut
 
 
 # ---- 3. Policy and value loss (Eq. 9) -----------------------------------------------------------
@@ -1086,16 +1124,14 @@ class Args:
     # Reward: the method and the baseline it is compared against.
     advantage: Literal["hisr", "ppo"] = "hisr"
     """hisr: GAE over Eqs. 5-8's rewards; ppo: GAE over the sparse outcome, no reward models"""
-    segmenter: Literal["events", "turns", "whole"] = "events"
-    """cut trajectories at events (milestones), turns (the w/o SPR ablation) or whole"""
+    segmenter: Literal["events", "turns"] = "events"
+    """cut trajectories at events (milestones) or turns (the w/o SPR ablation)"""
     use_hindsight: bool = True
     """modulate segment rewards by hindsight importance (Eqs. 5-7); off: w/o HIM, z = 1"""
     importance_beta: float = 0.3
     """beta of Eq. 6: importance = exp(mean token log-ratio / beta)"""
     grounding_weight: float = 0.3
     """alpha of Eq. 8, weight of the grounding flag; 0 = the w/o AGR ablation"""
-    him_placement: Literal["end", "uniform"] = "end"
-    """where a segment's modulated reward lands: its last turn, or spread over its turns"""
     him_scale: Literal["sprm", "unit"] = "sprm"
     """sprm: Eq. 7 times the SPRM's L1 mass; unit: Eq. 7 as written (mass 1 per trajectory)"""
     grounding_form: Literal["cost", "eq8"] = "cost"
@@ -1122,14 +1158,10 @@ class Args:
     """N, rollouts per collected task"""
     collect_temperature: float = 0.7
     """sampling temperature of the collection rollouts (the paper's)"""
-    collect_filter: Literal["well-formed", "loops", "none"] = "well-formed"
-    """the reward models' data: well-formed replies only, also no 3-turn loops, or all of it"""
-    rl_data: Literal["online", "explore"] = "online"
-    """online: fresh rollouts every iteration; explore: one pass over the collection"""
+    collect_filter: Literal["well-formed", "none"] = "well-formed"
+    """the reward models' data: trajectories with well-formed replies only, or all of them"""
     reward_models: str | None = None
     """trained reward models (a run's reward_models/): skips collection and training"""
-    aux_full_params: bool = True
-    """SPRM and hindsight model train every weight (paper's); off: a LoRA adapter each"""
     sprm_epochs: int = 3
     """epochs of SPRM training"""
     sprm_learning_rate: float = 1e-3
@@ -1146,8 +1178,6 @@ class Args:
     """longest transcript or cloze input the reward models read"""
     aux_heldout: float = 0.1
     """share of collected tasks held out, unfiltered, to report the reward models' fit"""
-    hindsight_admissible: bool = True
-    """the cloze input lists the hidden turn's admissible actions, as the prompt"""
 
     # RL
     iterations: int = 8
@@ -1193,7 +1223,7 @@ class Args:
 
     # LoRA
     lora_r: int = 16
-    """LoRA rank of the RL adapter (and of BC, reward models without full-params flags)"""
+    """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
     lora_alpha: int = 32
     """LoRA alpha (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
@@ -1582,6 +1612,27 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
     return {f"train/{k}": v for k, v in means.items()}
 
 
+def batch_stats(batch: list[dict], advantages: list, returns: list) -> dict:
+    """What the log shows of an iteration's batch (every process's summaries, with their
+    advantages and returns): success, grounding, well-formed replies, episode length, step
+    samples, the mean |advantage|, the critic's mean value and the share of the returns'
+    variance it explains, the mean step KL."""
+    abs_advantages = [abs(float(a)) for adv in advantages for a in adv]
+    steps = [s for tr in batch for s in tr["steps"]]
+    values = np.array([s["value"] for s in steps])
+    targets_g = np.array([g for ret in returns for g in ret])
+    return {"rollout/success": float(np.mean([t["won"] for t in batch])),
+            "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+            "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
+            "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+            "rollout/step_samples": len(steps),
+            "train/advantage_abs_mean": float(np.mean(abs_advantages)),
+            "train/value_mean": float(values.mean()),
+            "train/explained_variance": float(
+                1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
+            "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))}
+
+
 def validate_args(args: Args) -> list[str]:
     """One line per nonsensical value; [] when all are usable."""
     a = args
@@ -1590,8 +1641,6 @@ def validate_args(args: Args) -> list[str]:
          f"--reward-models {a.reward_models}: no such directory"),
         (a.reward_models is None or a.advantage == "hisr",
          "--reward-models is read by --advantage hisr only"),
-        (a.rl_data == "online" or a.reward_models is None,
-         "--rl-data explore trains on the collected rollouts: drop --reward-models"),
     ]
     return config.errors(a, RANGES) + [message for ok, message in rules if not ok]
 
@@ -1611,48 +1660,25 @@ def main(args: Args) -> dict:
     dist = start_processes(args)  # one process, or one of those `accelerate launch` started
     also = " --reward-models <its run>/reward_models" if args.advantage == "hisr" else ""
     errors += launch_errors(args, dist, os.path.basename(__file__), also)
-    if dist.num_processes > 1:
-        if args.advantage == "hisr" and args.reward_models is None and not args.resume:
-            errors.append("collection and the reward models' training run in one process: run "
-                          "`python hisr.py ... --iterations 0` once, then launch RL with "
-                          "--reward-models <its run>/reward_models (online)")
-        if args.rl_data == "explore":
-            errors.append("--rl-data explore runs in one process")
+    if (dist.num_processes > 1 and args.advantage == "hisr" and args.reward_models is None
+            and not args.resume):
+        errors.append("collection and the reward models' training run in one process: run "
+                      "`python hisr.py ... --iterations 0` once, then launch RL with "
+                      "--reward-models <its run>/reward_models")
     if errors:
         raise UsageError("\n".join(errors))
     if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
         sys.stdout = open(os.devnull, "w")
     seed_everything(args.seed, args.deterministic)
     run = Run(args, os.path.basename(__file__))  # --resume: its checkpoint, checked
-    if args.resume and args.rl_data == "explore" and not os.path.isfile(run.file(COLLECTED_FILE)):
-        raise UsageError(f"--resume {args.resume}: no {COLLECTED_FILE} in it (the collected "
-                         "rollouts --rl-data explore trains on)")
     train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
     if args.tasks_per_iteration > len(train_tasks):
         raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
                          f"{len(train_tasks)} training tasks")
-    # The collection (the start policy's rollouts): what the reward models learn from, and with
-    # --rl-data explore what RL trains on, HISR and PPO alike.
-    n_collect = min(args.collect_num_tasks or len(train_tasks), len(train_tasks))
-    collect_tasks = []
-    collects = args.rl_data == "explore" or (args.advantage == "hisr"
-                                             and args.reward_models is None)
-    if collects and not args.resume:
-        collect_tasks = random.Random(args.seed + 2).sample(train_tasks, n_collect)
-    batch_size = args.tasks_per_iteration * args.group_size
-    batches = n_collect * args.collect_rollouts // batch_size
-    if args.rl_data == "explore" and args.iterations > batches:
-        raise UsageError(f"--rl-data explore: {n_collect} tasks x {args.collect_rollouts} "
-                         f"rollouts make {batches} batches of {batch_size}, fewer than "
-                         f"--iterations {args.iterations}")
     eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
                   for split in args.eval_splits}
     vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
     print(json.dumps(asdict(args), indent=1))
-    if args.advantage == "hisr" and args.segmenter == "whole" and args.him_scale == "unit":
-        print("warning: --segmenter whole with --him-scale unit gives every trajectory one "
-              "modulated reward of +-1 whatever its outcome (see the docstring); --him-scale "
-              "sprm keeps the SPRM's scale", file=sys.stderr)
 
     # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
     # then the LoRA adapter trained by RL.
@@ -1680,46 +1706,9 @@ def main(args: Args) -> dict:
     engine = make_vllm_engine(start_path, args) if args.backend == "vllm" else None
     policy = Policy(args, model, tokenizer, engine)
 
-    # Collection and the reward models (Eqs. 2-4), or those saved before. The new adapter is
-    # zero, so the policy that collects is the start policy.
-    sprm = sprm_head = hindsight = None
-    collected: list[dict] = []
-    t0 = time.time()
-    if args.rl_data == "explore" and args.resume:
-        collected = torch.load(os.path.join(run.path, COLLECTED_FILE), weights_only=True)
-    elif collect_tasks:
-        policy.sync(run.path)
-        collected = collect(args, policy, collect_tasks)
-        if args.rl_data == "explore" and dist.is_main_process:  # what a resume trains on
-            torch.save(collected, os.path.join(run.path, COLLECTED_FILE))
-    if args.advantage == "hisr":
-        aux_path = os.path.join(run.path, "reward_models")
-        if args.resume or args.reward_models:
-            sprm, sprm_head, hindsight = load_reward_models(args, aux_start,
-                                                            args.reward_models or aux_path)
-        else:
-            sprm, sprm_head, hindsight, stats = train_reward_models(args, aux_start, tokenizer,
-                                                                    collected)
-            stats["aux/seconds"] = time.time() - t0
-            print(f"reward models done in {stats['aux/seconds']:.0f}s: collection success "
-                  f"{stats['collect/success']:.3f}, kept {stats['collect/kept']} of "
-                  f"{len(collected)} "
-                  f"(success {stats['collect/kept_success']:.3f}), "
-                  f"{stats['collect/segments_per_trajectory']:.2f} segments per trajectory")
-            if "sprm/heldout_mse" in stats:
-                print(f"  held out ({stats['aux/heldout']} rollouts, unfiltered; "
-                      f"{stats['sprm/heldout_skipped_too_long']} too long for the SPRM): SPRM AUC "
-                      f"{stats['sprm/heldout_auc']:.3f}, MSE {stats['sprm/heldout_mse']:.4f} "
-                      f"(a constant: {stats['sprm/heldout_mse_of_constant']:.4f})")
-            if "hindsight/heldout_nll_hindsight" in stats:
-                print(f"  held out: hindsight NLL per token "
-                      f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the policy: "
-                      f"{stats['hindsight/heldout_nll_start_policy']:.4f})")
-            run.log(stats, 0)
-            if dist.is_main_process:
-                save_reward_models(aux_path, sprm, sprm_head, hindsight, args)
-            dist.wait_for_everyone()
-        del aux_start
+    # Collection and the reward models (Eqs. 2-4), or those saved before.
+    sprm, sprm_head, hindsight = reward_models_stage(args, run, policy, aux_start, train_tasks)
+    del aux_start
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in model.parameters() if p.requires_grad]},
          {"params": list(value_head.parameters()), "lr": args.value_learning_rate}],
@@ -1747,29 +1736,17 @@ def main(args: Args) -> dict:
         timings()  # the clocks restart: evaluations and set-up are not the iteration's
         my_groups = process_share(args.tasks_per_iteration, dist.process_index,
                                   dist.num_processes)
-        if args.rl_data == "explore":  # the next batch of collected rollouts, in order
-            trajs = collected[(iteration - 1) * batch_size:iteration * batch_size]
-        else:  # (1) B tasks x N copies, lock-step rollouts of the current policy
-            batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
-            policy.sync(run.path)
-            tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
-            groups = [g for g in my_groups for _ in range(args.group_size)]
-            trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
+        # (1) B tasks x N copies, lock-step rollouts of the current policy
+        batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
+        policy.sync(run.path)
+        tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
+        groups = [g for g in my_groups for _ in range(args.group_size)]
+        trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
         rollout_seconds = time.time() - t0
         # (2-4) old log-probs (Eq. 5's denominator) and values, the reference's step KL; the
         # segments and their SPRM rewards (Eq. 2), the hindsight log-probs (Eq. 5's numerator).
         score_rollouts(args, model, value_head, tokenizer, trajs)
-        cut = {"sprm": 0, "hindsight": 0}
-        if sprm is not None:
-            with timer("sprm"):
-                cut["sprm"] = score_segments(args, sprm, sprm_head, tokenizer, trajs)
-        if hindsight is not None:
-            with timer("hindsight"):
-                cut["hindsight"] = score_hindsight(args, hindsight, tokenizer, trajs)
-        elif sprm is not None:  # w/o HIM: log pi_hind = log pi_old, z = 1
-            for traj in trajs:
-                for step in traj["steps"]:
-                    step["hind_logprobs"] = step["old_logprobs"]
+        cut = score_reward_models(args, sprm, sprm_head, hindsight, tokenizer, trajs)
         # (5) importance (Eqs. 5-6), modulated segment rewards (Eq. 7), fused rewards (Eq. 8) and
         # GAE over the whole batch (whitened over all of it); each process keeps the advantages
         # and returns of its trajectories.
@@ -1789,31 +1766,15 @@ def main(args: Args) -> dict:
             stats = policy_update(args, model, value_head, tokenizer, optimizer, samples,
                                   generator, iteration)
         n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
-        abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
-        steps = [s for tr in batch for s in tr["steps"]]
-        values = np.array([s["value"] for s in steps])
-        targets_g = np.array([g for ret in batch_returns for g in ret])
-        stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
-                      "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
-                      "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
-                      "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
-                      "rollout/step_samples": len(steps),
-                      "time/rollout_seconds": rollout_seconds,
+        stats.update(batch_stats(batch, batch_advantages, batch_returns))
+        stats.update({"time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0,
-                      "train/advantage_abs_mean": float(np.mean(abs_advantages)),
-                      "train/value_mean": float(values.mean()),
-                      "train/explained_variance": float(
-                          1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
-                      "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))})
-        if args.rl_data == "online":  # explore mode generates nothing here
-            stats["rollout/tokens_per_second"] = n_tokens / max(rollout_seconds, 1e-9)
+                      "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9)})
         if sprm is not None:
             stats.update(credit_stats(args, batch))
-            stats.update({"credit/sprm_inputs_cut": sum(gather_object([cut["sprm"]])),
-                          "credit/hindsight_inputs_cut": sum(gather_object([cut["hindsight"]]))})
-        # Where the iteration's time went: prompts, generation, env, the scoring passes
-        # (old_logprobs with values, ref_logprobs, sprm, hindsight), advantages and the update; the
-        # main process's times.
+            stats.update({name: sum(gather_object([n])) for name, n in cut.items()})
+        # Where the iteration's time went (the main process's): prompts, generation, env, the
+        # scoring (old_logprobs with values, ref_logprobs, sprm, hindsight), advantages, update.
         stats.update(timings())
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)

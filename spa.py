@@ -126,41 +126,55 @@ def fused_rewards(contribs: list[float], grounded: list[int], alpha: float = 1.0
     return rewards
 
 
-def gae(rewards: list[float], values: list[float], gamma: float = 0.99, lam: float = 0.95,
-        last_value: float = 0.0) -> tuple[list[float], list[float]]:
-    """GAE over one trajectory (Eq. 10's delta with Eq. 3's sum): delta_t = r_t + gamma * V_{t+1}
-    - V_t, A_t = delta_t + gamma * lam * A_{t+1}, V_n = last_value (0 in SPA: success and step
-    limit alike end the episode). Returns (advantages, returns = A + V, the critic's targets);
-    (n,) lists in and out; ValueError when the lengths differ; [] -> ([], [])."""
-    if len(rewards) != len(values):
-        raise ValueError(f"{len(rewards)} rewards but {len(values)} values")
-    advantages = [0.0] * len(rewards)
-    next_value, running = float(last_value), 0.0
-    for t in range(len(rewards) - 1, -1, -1):
-        delta = float(rewards[t]) + gamma * next_value - float(values[t])
-        running = delta + gamma * lam * running
-        advantages[t] = running
-        next_value = float(values[t])
-    return advantages, [a + float(v) for a, v in zip(advantages, values)]
-
-
-def whiten(xs: list[float], eps: float = 1e-8) -> list[float]:
-    """(x - mean) / sqrt(population variance + eps) over the flat list; one value or all equal
-    -> zeros; [] -> []."""
-    if not xs:
-        return []
-    mean = sum(xs) / len(xs)
-    variance = sum((x - mean) ** 2 for x in xs) / len(xs)
-    return [(x - mean) / math.sqrt(variance + eps) for x in xs]
-
-
-def grounding_terms(grounded: list[int], form: str = "cost") -> list[int]:
-    """The grounding term of each step before its weight beta: "eq8" g_t as written in Eq. 8
-    (1 executable, 0 not), "cost" g_t - 1 (0 executable, -1 not: an executable step earns
-    nothing, so a longer episode earns no more). [1, 0, 1] -> eq8 [1, 0, 1], cost [0, -1, 0]."""
+# PPO with a critic: GAE, whitening and the grounding terms, the same text in spa.py and hisr.py
+# (tests/test_spa_rewards.py).
+def grounding_terms(grounded: Tensor, form: str = "cost") -> Tensor:
+    """(m,) grounding flags g (1: the action could be executed, 0: not) -> (m,) float64 terms
+    before their weight (SPA's beta, HISR's alpha): "eq8" g as written in Eq. 8, "cost" g - 1
+    (0 for a grounded step, -1 for another: a grounded step earns nothing, so a longer episode
+    earns no more). [1, 0, 1] -> eq8 [1, 0, 1], cost [0, -1, 0]; lists are read as tensors."""
     if form not in ("cost", "eq8"):
         raise ValueError(f"form must be cost or eq8, got {form!r}")
-    return [int(g) - 1 if form == "cost" else int(g) for g in grounded]
+    grounded = torch.as_tensor(grounded, dtype=torch.float64)
+    return grounded - 1 if form == "cost" else grounded
+
+
+def gae(rewards: Tensor, values: Tensor, gamma: float = 0.99, lam: float = 0.95,
+        last_value: float = 0.0) -> tuple[Tensor, Tensor]:
+    """GAE over one trajectory, the delta of the PPO loss (SPA's Eq. 10, HISR's Eq. 9): delta_k =
+    r_k + gamma V_{k+1} - V_k, A_k = delta_k + gamma lam A_{k+1}, V_m = last_value (0 here:
+    success and the step limit alike end the episode). (m,) rewards and values (lists are read
+    as tensors) -> (advantages, returns = A + V, the critic's targets), (m,) float64 each;
+    empty -> empty; ValueError when the lengths differ."""
+    if len(rewards) != len(values):
+        raise ValueError(f"{len(rewards)} rewards but {len(values)} values")
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    values = torch.as_tensor(values, dtype=torch.float64)
+    advantages = torch.zeros_like(rewards)
+    next_value, running = float(last_value), 0.0
+    for k in range(len(rewards) - 1, -1, -1):
+        delta = rewards[k] + gamma * next_value - values[k]
+        running = delta + gamma * lam * running
+        advantages[k] = running
+        next_value = values[k]
+    return advantages, advantages + values
+
+
+def whiten(x: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(population variance + eps) over all of x, float64 (a list is read as a
+    tensor); one value -> 0; empty -> empty."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    if x.numel() == 0:
+        return x
+    return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + eps)
+
+
+def whiten_pooled(advantages: list[Tensor]) -> list[Tensor]:
+    """Every trajectory's (m_i,) advantages whitened pooled over the batch and split back in
+    order, float64; an empty trajectory stays empty and out of the statistics; [] -> []."""
+    if not advantages:
+        return advantages
+    return list(whiten(torch.cat(advantages)).split([len(a) for a in advantages]))
 
 
 def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gamma: float = 0.99,
@@ -171,8 +185,9 @@ def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gam
 
     batch[i] = {"contribs": (n_i,), "grounded": (n_i,), "values": (n_i,), optional "step_kl"
     (n_i,)}; other keys are ignored. step_kl is used only when kl_coef > 0 (an entry without it
-    gets no KL term). Returns (advantages per trajectory, un-whitened returns per trajectory);
-    an empty trajectory gives [] and stays out of the whitening; [] -> ([], [])."""
+    gets no KL term). Returns (advantages per trajectory, un-whitened returns per trajectory),
+    lists of floats; an empty trajectory gives [] and stays out of the whitening; [] gives
+    ([], [])."""
     advantages, returns = [], []
     for traj in batch:
         step_kl = traj.get("step_kl") if kl_coef > 0 else None
@@ -182,10 +197,8 @@ def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gam
         advantages.append(adv)
         returns.append(ret)
     if normalize:
-        flat = whiten([a for adv in advantages for a in adv])
-        offsets = np.cumsum([0] + [len(adv) for adv in advantages])
-        advantages = [flat[offsets[i]:offsets[i + 1]] for i in range(len(advantages))]
-    return advantages, returns
+        advantages = whiten_pooled(advantages)
+    return [a.tolist() for a in advantages], [r.tolist() for r in returns]
 
 
 def summarize(traj: dict) -> dict:

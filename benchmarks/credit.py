@@ -318,24 +318,18 @@ def spa_first_iteration(batch: Batch, advantage: str,
     return [torch.tensor(a, dtype=torch.float64) for a in advantages], data
 
 
-# HISR's readings: the settings the review of 2026-11-24 changed (the revised spec's defaults,
-# and before it: the loop filter, no admissible actions in the cloze, Eq. 7 and Eq. 8 as written).
-HISR_READINGS = {"new": {},
-                 "literal": {"collect_filter": "loops", "hindsight_admissible": False,
-                             "him_scale": "unit", "grounding_form": "eq8"}}
-
-
-def hisr_scored(batch: Batch, reading: str = "new") -> tuple[hisr.Args, list[dict], str]:
-    """hisr.py's steps before its first update (tiny preset with HISR_READINGS[reading]):
-    hisr.collect of the start and hisr.train_reward_models, then on the batch's first
-    budget.hisr_tasks groups score_segments and score_hindsight, with the recorded old log-probs,
-    V = 0 (the zero critic of iteration 1) and step KL 0 (the zero adapter). Computed once a
-    batch and reading; the collection is the same for both."""
-    key = f"hisr-{reading}"
+def hisr_scored(batch: Batch) -> tuple[hisr.Args, list[dict], str]:
+    """hisr.py's steps before its first update (tiny preset): hisr.collect of the start and
+    hisr.train_reward_models, then on the batch's first budget.hisr_tasks groups score_segments
+    and score_hindsight, with the recorded old log-probs, V = 0 (the zero critic of iteration 1)
+    and step KL 0 (the zero adapter). Computed once a batch. (The literal reading's row, with the
+    loop filter and no admissible actions in the cloze, went with those flags in issue 44;
+    commit 32ae25f has it.)"""
+    key = "hisr"
     if key in batch.cache:
         return batch.cache[key]
     args = replace(hisr.preset_args("tiny", "household"), seed=batch.args.seed,
-                   collect_num_tasks=batch.budget.collect_tasks, **HISR_READINGS[reading])
+                   collect_num_tasks=batch.budget.collect_tasks)
     train_tasks = envs.list_tasks("household", "train")
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
@@ -361,11 +355,11 @@ def hisr_scored(batch: Batch, reading: str = "new") -> tuple[hisr.Args, list[dic
     return batch.cache[key]
 
 
-def hisr_credit(batch: Batch, reading: str, **change) -> tuple[list[Tensor], str]:
-    """HISR's first-iteration advantage under HISR_READINGS[reading] (and `change`, settings of
-    the reward only): hisr.compute_advantages on the scored groups; the steps of the groups HISR
-    did not score get NaN (left out of every figure)."""
-    args, summaries, data = hisr_scored(batch, reading)
+def hisr_credit(batch: Batch, **change) -> tuple[list[Tensor], str]:
+    """HISR's first-iteration advantage (with `change`, settings of the reward only):
+    hisr.compute_advantages on the scored groups; the steps of the groups HISR did not score get
+    NaN (left out of every figure)."""
+    args, summaries, data = hisr_scored(batch)
     advantages, _ = hisr.compute_advantages(replace(args, **change), summaries)
     scored = iter(advantages)
     return [torch.as_tensor(next(scored), dtype=torch.float64) if k < batch.budget.hisr_tasks
@@ -559,9 +553,8 @@ ESTIMATORS = {
     "ppo": lambda batch: spa_first_iteration(batch, "ppo"),
     "spa-eq8": lambda batch: spa_first_iteration(batch, "spa", "eq8"),
     "spa": lambda batch: spa_first_iteration(batch, "spa"),
-    "hisr-literal": lambda batch: hisr_credit(batch, "literal"),
-    "hisr-eq8": lambda batch: hisr_credit(batch, "new", grounding_form="eq8"),
-    "hisr": lambda batch: hisr_credit(batch, "new"),
+    "hisr-eq8": lambda batch: hisr_credit(batch, grounding_form="eq8"),
+    "hisr": hisr_credit,
     "rloo": rloo_credit,
     "istar": istar_credit,
     "istar-rewards": istar_reward_credit,
@@ -581,7 +574,6 @@ LABELS = {"oracle-step": "oracle: progress alone (reference, proxmo.py)",
           "gigpo": "GiGPO (proxmo.py)", "proxmo": "ProxMO (proxmo.py)",
           "ppo": "PPO (spa.py)", "spa-eq8": "SPA, Eq. 8 as written (spa.py)",
           "spa": "SPA, grounding as a cost (spa.py)",
-          "hisr-literal": "HISR, the literal reading (hisr.py)",
           "hisr-eq8": "HISR, as revised but Eq. 8 as written (hisr.py)",
           "hisr": "HISR, as revised (hisr.py)",
           "rloo": "RLOO (istar.py)", "istar": "iStar (istar.py)",
