@@ -58,10 +58,9 @@ import math
 import os
 import random
 import re
-import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -77,15 +76,16 @@ from torch import Tensor
 
 import envs
 from common import UsageError, config
-from common.dist import (launch_errors, mean_across_processes, minibatches, process_share,
-                         same_start, start_processes, sum_across_processes)
+from common.config import HarnessArgs
+from common.dist import (mean_across_processes, minibatches, process_share, same_start,
+                         sum_across_processes)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
-from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
+from common.model import (TINY_NAMES, add_lora, length_sorted_chunks, load_lora, merge_lora,
                           pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, seed_everything, timer, timings
-from envs.text import PROMPT_INTRO, PROMPT_WORDS, encode_prompt, is_well_formed, parse_action
+from common.run import Run, check_finite, start_run, timer, timings
+from envs.text import PROMPT_INTRO, encode_prompt, is_well_formed, parse_action
 
 
 # ---- 1. HISR rewards and advantages (pure functions: float64 tensors in, no grad) --------------
@@ -519,7 +519,7 @@ def first_message(traj: dict, instruction: str = "") -> dict:
 
 
 def cloze_texts(args: Args) -> tuple[str, str, str]:
-    return CLOZE_TEXTS["tiny" if args.model in ("tiny", "tiny-scratch") else "real"]
+    return CLOZE_TEXTS["tiny" if args.model in TINY_NAMES else "real"]
 
 
 def transcript_messages(traj: dict, tokenizer, first_turn: int = 0) -> list[dict]:
@@ -1086,13 +1086,14 @@ def policy_forward(model, value_head, prompts: list[list[int]], responses: list[
 
 # ---- 4. Arguments -------------------------------------------------------------------------------
 @dataclass
-class Args:
+class Args(HarnessArgs):
     """HISR (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
 
     The defaults --help shows are those a run takes for the --model, --env and --advantage
     given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
     other (real) model; the machine and the env set the device (cuda when there is one), the
-    evaluation splits and the env workers (envs/__init__.py)."""
+    evaluation splits and the env workers (envs/__init__.py). Where and how the run goes (device,
+    run directory, W&B, vLLM, data parallel): HarnessArgs, common/config.py."""
 
     exp_name: str = "hisr"
     """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
@@ -1100,26 +1101,10 @@ class Args:
     """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
     env: Literal["household", "alfworld"] = "household"
     """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
-    env_workers: int = 0
-    """processes that step a batch's games at once (0: this process)"""
     model: str = "tiny"
-    """local directory, hub id, bare Qwen name, tiny (shipped start) or tiny-scratch (BC first)"""
+    """a local directory, hub id or Qwen name; tiny, tiny-weak (shipped), tiny-scratch (BC)"""
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
     """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
-    device: str = "cpu"
-    """torch device (cuda when available, else cpu)"""
-    track: bool = False
-    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
-    wandb_project: str = "llm-agent-credit-assignment"
-    """Weights & Biases project of --track"""
-    run_dir: str = "runs"
-    """where run directories are created"""
-    resume: str | None = None
-    """a run directory to continue; only --iterations, --device, --process-timeout-* may differ"""
-    process_timeout_minutes: float = 120.0
-    """data parallel: how long a process waits for the others (torch's own for NCCL: 10)"""
-    deterministic: bool = True
-    """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
 
     # Reward: the method and the baseline it is compared against.
     advantage: Literal["hisr", "ppo"] = "hisr"
@@ -1204,8 +1189,6 @@ class Args:
     """step samples per optimizer step"""
     micro_batch_size: int = 16
     """step samples per forward pass"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, slower"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of every optimizer step"""
     rollout_temperature: float = 1.0
@@ -1214,8 +1197,6 @@ class Args:
     """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
     max_new_tokens: int = 12
     """response length limit"""
-    max_prompt_tokens: int = 2048
-    """prompt length limit; longer prompts drop their oldest history pairs first"""
     history_length: int = 1
     """past (observation, action) pairs shown in the prompt"""
     reasoning: bool = False
@@ -1226,10 +1207,6 @@ class Args:
     """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
     lora_alpha: int = 32
     """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
 
     # Behavior cloning on expert trajectories (HISR's first stage)
     bc_epochs: int = 0
@@ -1258,12 +1235,6 @@ class Args:
     """sampling temperature of evaluation (0.4 in every script; HISR's paper: 0)"""
     save_every: int = 10
     """iterations between checkpoints (the last iteration is always saved)"""
-
-    # vLLM
-    vllm_gpu_memory_utilization: float = 0.35
-    """share of GPU memory vLLM may take (the rest holds the trainer)"""
-    vllm_sleep: bool = False
-    """vLLM: its weights to host memory and its KV cache freed during each update (small GPUs)"""
 
 
 PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
@@ -1656,36 +1627,18 @@ def parse_args(argv: list[str]) -> Args:
 
 
 def main(args: Args) -> dict:
-    errors = validate_args(args)
-    dist = start_processes(args)  # one process, or one of those `accelerate launch` started
+    one_process = []  # what several processes cannot do
+    if args.advantage == "hisr" and args.reward_models is None and not args.resume:
+        one_process.append("collection and the reward models' training run in one process: run "
+                           "`python hisr.py ... --iterations 0` once, then launch RL with "
+                           "--reward-models <its run>/reward_models")
     also = " --reward-models <its run>/reward_models" if args.advantage == "hisr" else ""
-    errors += launch_errors(args, dist, os.path.basename(__file__), also)
-    if (dist.num_processes > 1 and args.advantage == "hisr" and args.reward_models is None
-            and not args.resume):
-        errors.append("collection and the reward models' training run in one process: run "
-                      "`python hisr.py ... --iterations 0` once, then launch RL with "
-                      "--reward-models <its run>/reward_models")
-    if errors:
-        raise UsageError("\n".join(errors))
-    if not dist.is_main_process:  # one process reports; errors and warnings still reach stderr
-        sys.stdout = open(os.devnull, "w")
-    seed_everything(args.seed, args.deterministic)
-    run = Run(args, os.path.basename(__file__))  # --resume: its checkpoint, checked
-    train_tasks = envs.list_tasks(args.env, envs.TRAIN_SPLIT[args.env])
-    if args.tasks_per_iteration > len(train_tasks):
-        raise UsageError(f"--tasks-per-iteration {args.tasks_per_iteration} exceeds the "
-                         f"{len(train_tasks)} training tasks")
-    eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
-                  for split in args.eval_splits}
-    vocab = envs.vocabulary(args.env) + PROMPT_WORDS if args.model == "tiny-scratch" else None
-    print(json.dumps(asdict(args), indent=1))
+    dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
+                                                   also=also, one_process=one_process)
 
-    # Model: the base (or, after behavior cloning, the cloned model saved in the run directory),
-    # then the LoRA adapter trained by RL.
-    model, tokenizer = run.load_model(vocab)
+    # Model: the start (--model, or cloned from the expert first), then RL's LoRA adapter.
+    model, tokenizer = run.load_model()
     run.open()  # only now: a run stopped by bad flags or missing data leaves nothing
-    if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works with it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     if args.bc_epochs > 0 and not args.resume:
         model = clone_start(args, run, model, tokenizer, train_tasks)
@@ -1721,7 +1674,7 @@ def main(args: Args) -> dict:
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
 
     def run_eval(iteration: int) -> None:
-        policy.sync(run.path)
+        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
         for split, tasks in eval_tasks.items():
             t0 = time.time()
             stats = evaluate(args, policy, split, tasks)
@@ -1775,7 +1728,7 @@ def main(args: Args) -> dict:
             stats.update({name: sum(gather_object([n])) for name, n in cut.items()})
         # Where the iteration's time went (the main process's): prompts, generation, env, the
         # scoring (old_logprobs with values, ref_logprobs, sprm, hindsight), advantages, update.
-        stats.update(timings())
+        stats.update(timings())  # each timer("x") above as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
@@ -1790,10 +1743,7 @@ def main(args: Args) -> dict:
                      value_head=value_head, generator=generator, task_rng=task_rng)
     progress.close()
     summary = run.finish(history)
-    if policy.batcher is not None:  # free its KV caches, restore the model's attention
-        policy.batcher.close()
-    if dist.num_processes > 1:
-        dist.destroy_process_group()
+    policy.close()
     return summary
 
 
