@@ -1207,6 +1207,10 @@ class Args(HarnessArgs):
     """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
     lora_alpha: int = 32
     """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names, or all-linear"""
 
     # Behavior cloning on expert trajectories (HISR's first stage)
     bc_epochs: int = 0
@@ -1237,7 +1241,7 @@ class Args(HarnessArgs):
     """iterations between checkpoints (the last iteration is always saved)"""
 
 
-PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
+PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
     "tiny-scratch": dict(bc_epochs=3),
     "real": dict(iterations=100, tasks_per_iteration=16, group_size=1, max_episode_steps=40,
                  learning_rate=1e-5, micro_batch_size=8, gradient_checkpointing=True,
@@ -1518,7 +1522,7 @@ class StepSample(NamedTuple):
     response: list[int]  # token ids
     advantage: float
     ret: float  # the critic's target, advantage + value
-    old_logprobs: list[float]  # of the response as sampled (or scored, for vLLM)
+    old_logprobs: list[float]  # of the response, scored by the policy before the update
     old_value: float  # the critic's value at sampling, for the clipped value loss
 
 
@@ -1572,6 +1576,7 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
                 stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
                 stats["policy_loss"].append(pg_loss.item())
                 stats["value_loss"].append(vf_loss.mean().item())
+        # Data parallel: every process's gradients (and loss) summed; one process: unchanged.
         minibatch_loss = sum_across_processes(params, minibatch_loss)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         check_finite(f"iteration {iteration}, PPO epoch {mini.epoch + 1}, mini-batch at "
@@ -1632,6 +1637,7 @@ def main(args: Args) -> dict:
         one_process.append("collection and the reward models' training run in one process: run "
                            "`python hisr.py ... --iterations 0` once, then launch RL with "
                            "--reward-models <its run>/reward_models")
+    # What the RL launch after behavior cloning takes besides its model (launch_errors):
     also = " --reward-models <its run>/reward_models" if args.advantage == "hisr" else ""
     dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
                                                    also=also, one_process=one_process)

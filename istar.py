@@ -600,6 +600,10 @@ class Args(HarnessArgs):
     """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
     lora_alpha: int = 32
     """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names, or all-linear"""
 
     # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
     bc_epochs: int = 0
@@ -630,7 +634,7 @@ class Args(HarnessArgs):
     """iterations between checkpoints (the last iteration is always saved)"""
 
 
-PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
+PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
     "tiny-scratch": dict(bc_epochs=3),
     "real": dict(iterations=200, tasks_per_iteration=16, max_episode_steps=50, learning_rate=5e-6,
                  prm_learning_rate=1e-5, minibatch_size=64, micro_batch_size=8,
@@ -940,6 +944,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
                 if args.kl_coef > 0:  # else `ref` is the rollout policy, not the reference
                     kl = (k3_kl(ref, logp, mask) * mask).sum() / mask.sum()
                     stats["kl_ref"].append(kl.item())
+        # Data parallel: every process's gradients (and loss) summed; one process: unchanged.
         minibatch_loss = sum_across_processes(params, minibatch_loss)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         check_finite(f"iteration {iteration}, PPO epoch {mini.epoch + 1}, mini-batch at "

@@ -664,6 +664,10 @@ class Args(HarnessArgs):
     """LoRA rank of the RL adapter and the PE's (and of BC without --bc-full-params)"""
     lora_alpha: int = 32
     """LoRA alpha (the update is scaled by alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names, or all-linear"""
 
     # Behavior cloning on expert trajectories (SPA's first stage)
     bc_epochs: int = 0
@@ -694,7 +698,7 @@ class Args(HarnessArgs):
     """iterations between checkpoints (the last iteration is always saved)"""
 
 
-PRESETS = {  # on top of the dataclass's defaults, the tiny model's (common/config.py)
+PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
     "tiny-scratch": dict(bc_epochs=3),
     "real": dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50, learning_rate=1e-5,
                  micro_batch_size=8, gradient_checkpointing=True, max_new_tokens=512,
@@ -972,7 +976,7 @@ class StepSample(NamedTuple):
     response: list[int]  # token ids
     advantage: float
     ret: float  # the critic's target, advantage + value
-    old_logprobs: list[float]  # of the response as sampled (or scored, for vLLM)
+    old_logprobs: list[float]  # of the response, scored by the policy before the update
     old_value: float  # the critic's value at sampling, for the clipped value loss
 
 
@@ -1026,6 +1030,7 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
                 stats["clip_fraction"].append(((clipped * mask).sum() / mask.sum()).item())
                 stats["policy_loss"].append(pg_loss.item())
                 stats["value_loss"].append(vf_loss.mean().item())
+        # Data parallel: every process's gradients (and loss) summed; one process: unchanged.
         minibatch_loss = sum_across_processes(params, minibatch_loss)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         check_finite(f"iteration {iteration}, PPO epoch {mini.epoch + 1}, mini-batch at "
@@ -1070,6 +1075,7 @@ def main(args: Args) -> dict:
     if args.rl_data == "explore":
         one_process.append("--rl-data explore runs in one process (with several: --rl-data "
                            "online)")
+    # What the RL launch after behavior cloning takes besides its model (launch_errors):
     also = " --progress-model <its run>/progress_model" if args.advantage == "spa" else ""
     dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
                                                    also=also, one_process=one_process)
@@ -1119,7 +1125,7 @@ def main(args: Args) -> dict:
     # is zero, so the policy that explores is the start policy.
     pe = pe_head = None
     explore_trajs: list[dict] = []
-    explore_file = os.path.join(run.path, EXPLORE_FILE)
+    explore_file = run.file(EXPLORE_FILE)
     t0 = time.time()
     if args.rl_data == "explore" and args.resume:
         explore_trajs = torch.load(explore_file, weights_only=True)

@@ -51,10 +51,6 @@ class HarnessArgs:
     """recompute activations in the backward pass: less memory, slower"""
     max_prompt_tokens: int = 2048
     """prompt length limit; longer prompts drop their oldest history pairs first"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
     vllm_gpu_memory_utilization: float = 0.35
     """share of GPU memory vLLM may take (the rest holds the trainer)"""
     vllm_sleep: bool = False

@@ -3,6 +3,7 @@ generation backend's eos ids, command-line presets, validation and resume reconc
 
 import json
 import os
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -169,6 +170,10 @@ def test_presets_follow_the_model():
             scratch.iterations) == (3, True, tiny.iterations)
     errors = validate_args(parse_args(["--env", "alfworld", "--model", "tiny"]))
     assert any(e.startswith("--model tiny knows only the household") for e in errors)
+    weak = parse_args(["--model", "tiny-weak"])  # the second shipped start: the tiny presets
+    assert asdict(weak) == {**asdict(tiny), "model": "tiny-weak"}
+    errors = validate_args(parse_args(["--env", "alfworld", "--model", "tiny-weak"]))
+    assert any(e.startswith("--model tiny-weak knows only the household") for e in errors)
     # tiny-scratch builds its tokenizer over the environment's words, ALFWorld's included
     assert validate_args(parse_args(["--env", "alfworld", "--model", "tiny-scratch"])) == []
     real = parse_args(["--model", "Qwen2.5-1.5B-Instruct", "--env", "alfworld"])
@@ -262,3 +267,19 @@ def test_every_script_carries_proxmos_harness_text(script):
     for plumbing in ("def process_share", "def save_checkpoint", "def sum_across_processes",
                      "def build_prompt", "class Policy", "SummaryWriter("):
         assert plumbing not in read(script), plumbing
+
+
+@pytest.mark.parametrize("script", ["proxmo", "spa", "istar", "hisr", "sspo"])
+def test_every_args_takes_the_harness_settings_from_one_place(script):
+    """The settings only the harness reads are HarnessArgs' fields, declared once in
+    common/config.py: every script's Args extends it and declares none of them again."""
+    import dataclasses
+    import importlib
+
+    from common.config import HarnessArgs
+
+    Args = importlib.import_module(script).Args
+    harness = {f.name for f in dataclasses.fields(HarnessArgs)}
+    assert issubclass(Args, HarnessArgs)
+    assert not harness & set(vars(Args)["__annotations__"])
+    assert harness < {f.name for f in dataclasses.fields(Args)}

@@ -50,6 +50,18 @@ def test_the_shipped_model_loads_with_its_tokenizer(tiny):
     assert preset_args().model == "tiny" and preset_args().bc_epochs == 0
 
 
+def test_the_weaker_start_is_the_same_model_with_other_weights(tiny):
+    """--model tiny-weak (assets/tiny-household-weak): tiny's architecture and tokenizer, other
+    weights."""
+    model, tokenizer = tiny
+    weak, weak_tokenizer = load_model_and_tokenizer("tiny-weak")
+    differ = {k for k in model.config.to_dict()
+              if weak.config.to_dict().get(k) != model.config.to_dict()[k]}
+    assert differ == {"_name_or_path"}  # where it was loaded from
+    assert weak_tokenizer.get_vocab() == tokenizer.get_vocab()
+    assert not torch.equal(weak.lm_head.weight, model.lm_head.weight)
+
+
 def test_its_tokenizer_knows_every_household_and_prompt_word(tiny):
     _, tokenizer = tiny
     unknown = tokenizer.unk_token_id
