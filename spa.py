@@ -331,6 +331,40 @@ def explore(args: Args, policy: Policy, tasks: list) -> list[dict]:
     return trajs
 
 
+def exploration_tasks(args: Args, train_tasks: list) -> list:
+    """The training tasks the start policy explores (--explore-num-tasks, 0: all; drawn with seed
+    + 2): what the PE learns from when it is trained here, and with --rl-data explore what RL
+    trains on, SPA and PPO alike. [] when nothing is explored, or on --resume (explored before).
+    UsageError when --rl-data explore would have fewer batches than --iterations."""
+    n = min(args.explore_num_tasks or len(train_tasks), len(train_tasks))
+    batch_size = args.tasks_per_iteration * args.group_size
+    batches = n * args.explore_rollouts // batch_size
+    if args.rl_data == "explore" and args.iterations > batches:
+        raise UsageError(f"--rl-data explore: {n} tasks x {args.explore_rollouts} rollouts make "
+                         f"{batches} batches of {batch_size}, fewer than --iterations "
+                         f"{args.iterations}")
+    explores = args.rl_data == "explore" or (args.advantage == "spa"
+                                             and args.progress_model is None)
+    if not explores or args.resume:
+        return []
+    return random.Random(args.seed + 2).sample(train_tasks, n)
+
+
+def exploration(args: Args, run: Run, policy: Policy, tasks: list) -> list[dict]:
+    """D_explore: played now by the start policy (its new adapter is zero) and, with --rl-data
+    explore, saved in the run for a resume; on the resume of such a run, read back."""
+    path = run.file(EXPLORE_FILE)
+    if args.rl_data == "explore" and args.resume:
+        return torch.load(path, weights_only=True)
+    if not tasks:
+        return []
+    policy.sync(run.path)
+    trajs = explore(args, policy, tasks)
+    if args.rl_data == "explore" and run.dist.is_main_process:  # what a resume trains on
+        torch.save(trajs, path)
+    return trajs
+
+
 def train_progress_estimator(args: Args, pe, head, tokenizer, trajs: list[dict],
                              rng: random.Random) -> dict:
     """Eq. 7 over the exploration rollouts, --pe-epochs epochs of batches of --pe-batch-size
@@ -1082,21 +1116,7 @@ def main(args: Args) -> dict:
     if args.resume and args.rl_data == "explore" and not os.path.isfile(run.file(EXPLORE_FILE)):
         raise UsageError(f"--resume {args.resume}: no {EXPLORE_FILE} in it (the exploration "
                          "rollouts --rl-data explore trains on)")
-    # Exploration (the start policy's rollouts): what the PE learns from, and with --rl-data
-    # explore what RL trains on, SPA and PPO alike.
-    n_explore = min(args.explore_num_tasks or len(train_tasks), len(train_tasks))
-    explore_tasks = []
-    explores = args.rl_data == "explore" or (args.advantage == "spa"
-                                             and args.progress_model is None)
-    if explores and not args.resume:
-        explore_tasks = random.Random(args.seed + 2).sample(train_tasks, n_explore)
-    batch_size = args.tasks_per_iteration * args.group_size
-    if args.rl_data == "explore":
-        batches = n_explore * args.explore_rollouts // batch_size
-        if args.iterations > batches:
-            raise UsageError(f"--rl-data explore: {n_explore} tasks x "
-                             f"{args.explore_rollouts} rollouts make {batches} batches of "
-                             f"{batch_size}, fewer than --iterations {args.iterations}")
+    explore_tasks = exploration_tasks(args, train_tasks)  # checked before the model loads
 
     # Model: the start (--model, or cloned from the expert first), then RL's LoRA adapter.
     model, tokenizer = run.load_model()
@@ -1124,16 +1144,8 @@ def main(args: Args) -> dict:
     # Exploration and the progress estimator (Eqs. 5-7), or the one saved before. The new adapter
     # is zero, so the policy that explores is the start policy.
     pe = pe_head = None
-    explore_trajs: list[dict] = []
-    explore_file = run.file(EXPLORE_FILE)
     t0 = time.time()
-    if args.rl_data == "explore" and args.resume:
-        explore_trajs = torch.load(explore_file, weights_only=True)
-    elif explore_tasks:
-        policy.sync(run.path)
-        explore_trajs = explore(args, policy, explore_tasks)
-        if args.rl_data == "explore" and dist.is_main_process:  # what a resume trains on
-            torch.save(explore_trajs, explore_file)
+    explore_trajs = exploration(args, run, policy, explore_tasks)
     if args.advantage == "spa":
         pe, pe_head = progress_estimator(args, run, pe_start, tokenizer, explore_trajs,
                                          start_path, t0)
@@ -1147,6 +1159,7 @@ def main(args: Args) -> dict:
     start_iteration, history = run.restore(optimizer=optimizer, value_head=value_head,
                                            generator=generator, task_rng=task_rng)
 
+    batch_size = args.tasks_per_iteration * args.group_size
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
 
     def run_eval(iteration: int) -> None:

@@ -935,6 +935,41 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     return {f"train/{k}": v for k, v in means.items()}
 
 
+def grpo_iteration(args: Args, tokenizer, policy: Policy, model, optimizer, tasks: list,
+                   first_group: int, iteration: int, generator: torch.Generator) -> dict:
+    """One iteration of the GRPO baseline on this process's `tasks` (groups first_group, ...):
+    (1) each task x N, (2) lock-step rollouts, (3) 0/1 outcomes, (4) GRPO advantages over the
+    whole batch (each process keeps its trajectories'), (5, 6) old / reference log-probs and the
+    clipped policy-gradient update. Returns the iteration's logged stats."""
+    t0 = time.time()
+    copies = [task for task in tasks for _ in range(args.group_size)]
+    groups = [first_group + k for k in range(len(tasks)) for _ in range(args.group_size)]
+    trajs = rollout(args, tokenizer, policy, copies, groups, args.rollout_temperature)
+    rollout_seconds = time.time() - t0
+    with timer("advantages"):
+        batch = gather_object([summarize(t) for t in trajs])
+        first = first_group * args.group_size
+        batch_advantages = compute_advantages(args, batch)
+        advantages = batch_advantages[first:first + len(trajs)]
+    samples = [StepSample(s["prompt"], s["response_ids"], float(a), s["logprobs"])
+               for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
+    policy.sleep()  # --vllm-sleep: the engine's memory to the update
+    with timer("update"):  # less the scoring passes, timed inside it
+        stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
+    n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
+    abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
+    steps = [s for tr in batch for s in tr["steps"]]
+    stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
+                  "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+                  "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
+                  "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+                  "rollout/step_samples": len(steps),
+                  "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
+                  "time/rollout_seconds": rollout_seconds,
+                  "train/advantage_abs_mean": float(np.mean(abs_advantages))})
+    return stats
+
+
 def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, tasks: list,
                      table: StateTable, iteration: int, run_path: str,
                      generator: torch.Generator) -> dict:
@@ -1101,37 +1136,10 @@ def main(args: Args) -> dict:
             stats = search_and_learn(args, tokenizer, policy, model, optimizer,
                                      [batch_tasks[g] for g in my_groups], table, iteration,
                                      run.path, generator)
-        else:
-            # (1) B tasks x N copies, (2) lock-step rollouts, (3) 0/1 outcomes.
-            tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
-            groups = [g for g in my_groups for _ in range(args.group_size)]
-            trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
-            rollout_seconds = time.time() - t0
-            # (4) GRPO advantages over the whole batch; each process keeps its trajectories'.
-            with timer("advantages"):
-                batch = gather_object([summarize(t) for t in trajs])
-                first = my_groups.start * args.group_size
-                batch_advantages = compute_advantages(args, batch)
-                advantages = batch_advantages[first:first + len(trajs)]
-            samples = [StepSample(s["prompt"], s["response_ids"], float(a), s["logprobs"])
-                       for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
-            # (5, 6) old / reference log-probs and the clipped policy-gradient update.
-            policy.sleep()  # --vllm-sleep: the engine's memory to the update
-            with timer("update"):  # less the scoring passes, timed inside it
-                stats = policy_update(args, model, tokenizer, optimizer, samples, generator,
-                                      iteration)
-            n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
-            abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
-            steps = [s for tr in batch for s in tr["steps"]]
-            stats.update({
-                "rollout/success": float(np.mean([t["won"] for t in batch])),
-                "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
-                "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
-                "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
-                "rollout/step_samples": len(steps),
-                "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
-                "time/rollout_seconds": rollout_seconds,
-                "train/advantage_abs_mean": float(np.mean(abs_advantages))})
+        else:  # the GRPO baseline: B tasks x N copies, one update
+            stats = grpo_iteration(args, tokenizer, policy, model, optimizer,
+                                   [batch_tasks[g] for g in my_groups], my_groups.start,
+                                   iteration, generator)
         stats["time/iteration_seconds"] = time.time() - t0
         # Where the iteration's time went: prompts, generation, env, advantages, and the policy
         # update's old_logprobs, ref_logprobs and update; the main process's times.
