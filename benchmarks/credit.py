@@ -60,7 +60,8 @@ import istar  # noqa: E402
 import proxmo  # noqa: E402
 import spa  # noqa: E402
 import sspo  # noqa: E402
-from common.model import add_lora, load_model_and_tokenizer, response_logprobs  # noqa: E402
+from common.model import (TINY_STARTS, add_lora, load_model_and_tokenizer,  # noqa: E402
+                          response_logprobs)
 from common.run import CODE_VERSION  # noqa: E402
 from envs.household import HouseholdEnv, generate_task, label_progress  # noqa: E402
 
@@ -195,9 +196,10 @@ class Batch:
 def collect(num_tasks: int, group_size: int, seed: int, temperature: float | None = None,
             max_episode_steps: int | None = None, budget: Budget | None = None,
             model: str = "tiny", history_length: int | None = None) -> Batch:
-    """Rollouts of the start (the shared `tiny`, or `model`, a directory) on `num_tasks` training
-    tasks (drawn with `seed`) x `group_size`, as proxmo.py's first iteration plays them (its tiny
-    preset: temperature, step limit, history), each step labelled with its progress."""
+    """Rollouts of the start (the shared `tiny`, or `model`: tiny-weak or a directory) on
+    `num_tasks` training tasks (drawn with `seed`) x `group_size`, as proxmo.py's first
+    iteration plays them (its tiny preset: temperature, step limit, history), each step labelled
+    with its progress."""
     args = replace(proxmo.preset_args("tiny", "household"), seed=seed, group_size=group_size,
                    model=model)
     if temperature is not None:
@@ -653,7 +655,8 @@ def main(argv: list[str]) -> list[dict]:
     parser.add_argument("--history-length", type=int, default=None,
                         help="past steps in the prompt (default: the training setting)")
     parser.add_argument("--model", default="tiny",
-                        help="the start: tiny (shipped) or a directory with a cloned model")
+                        help="the start: tiny or tiny-weak (shipped), or a directory with a "
+                             "cloned model")
     for name, value in asdict(Budget()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
                             help=f"{BUDGET_HELP[name]} (default {value})")
@@ -680,8 +683,9 @@ def main(argv: list[str]) -> list[dict]:
         parser.error("--max-episode-steps must be >= 1")
     if args.history_length is not None and args.history_length < 0:
         parser.error("--history-length must be >= 0")
-    if args.model != "tiny" and not os.path.isdir(args.model):
-        parser.error(f"--model {args.model}: tiny, or a directory with a model in it")
+    if args.model not in TINY_STARTS and not os.path.isdir(args.model):
+        parser.error(f"--model {args.model}: {', '.join(TINY_STARTS)}, or a directory with a "
+                     "model in it")
     own_rollouts = [e for e in args.estimators if e not in ON_THE_BATCH]
     if (args.model != "tiny" or args.history_length is not None) and own_rollouts:
         parser.error(f"--model and --history-length reach the batch, not the rollouts and models "
