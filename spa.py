@@ -1076,6 +1076,27 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
     return {f"train/{k}": v for k, v in means.items()}
 
 
+def batch_stats(batch: list[dict], advantages: list, returns: list) -> dict:
+    """What the log shows of an iteration's batch (every process's summaries, with their
+    advantages and returns): success, grounding, well-formed replies, episode length, step
+    samples, the mean |advantage|, the critic's mean value and the share of the returns'
+    variance it explains, the mean step KL."""
+    abs_advantages = [abs(float(a)) for adv in advantages for a in adv]
+    steps = [s for tr in batch for s in tr["steps"]]
+    values = np.array([s["value"] for s in steps])
+    targets_g = np.array([g for ret in returns for g in ret])
+    return {"rollout/success": float(np.mean([t["won"] for t in batch])),
+            "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+            "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
+            "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+            "rollout/step_samples": len(steps),
+            "train/advantage_abs_mean": float(np.mean(abs_advantages)),
+            "train/value_mean": float(values.mean()),
+            "train/explained_variance": float(
+                1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
+            "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))}
+
+
 def validate_args(args: Args) -> list[str]:
     """One line per nonsensical value; [] when all are usable."""
     a = args
@@ -1211,29 +1232,15 @@ def main(args: Args) -> dict:
             stats = policy_update(args, model, value_head, tokenizer, optimizer, samples,
                                   generator, iteration)
         n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
-        abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
-        steps = [s for tr in batch for s in tr["steps"]]
-        values = np.array([s["value"] for s in steps])
-        targets_g = np.array([g for ret in batch_returns for g in ret])
-        stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
-                      "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
-                      "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
-                      "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
-                      "rollout/step_samples": len(steps),
-                      "time/rollout_seconds": rollout_seconds,
-                      "time/iteration_seconds": time.time() - t0,
-                      "train/advantage_abs_mean": float(np.mean(abs_advantages)),
-                      "train/value_mean": float(values.mean()),
-                      "train/explained_variance": float(
-                          1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
-                      "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))})
+        stats.update(batch_stats(batch, batch_advantages, batch_returns))
+        stats.update({"time/rollout_seconds": rollout_seconds,
+                      "time/iteration_seconds": time.time() - t0})
         if args.rl_data == "online":  # explore mode generates nothing here
             stats["rollout/tokens_per_second"] = n_tokens / max(rollout_seconds, 1e-9)
         if pe is not None:
             stats.update(progress_stats(args, batch, too_long))
-        # Where the iteration's time went: prompts, generation, env, the scoring passes
-        # (old_logprobs with values, ref_logprobs, progress), advantages and the update; the
-        # main process's times.
+        # Where the iteration's time went (the main process's): prompts, generation, env, the
+        # scoring (old_logprobs with values, ref_logprobs, progress), advantages, update.
         stats.update(timings())  # each timer("x") above as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)

@@ -290,14 +290,14 @@ def test_the_ppo_baselines_of_spa_and_hisr_are_one_update():
 
 
 def test_the_ppo_pieces_are_hisrs_text():
-    """GAE, the whitening and the grounding terms of PPO with a critic are one text in spa.py and
-    hisr.py (tensors in, float64 tensors out), as the update is (test_hisr_model.py): the two
-    scripts differ only in their rewards."""
+    """GAE, the whitening, the grounding terms (tensors in, float64 tensors out) and what the log
+    shows of a batch, of PPO with a critic, are one text in spa.py and hisr.py, as the update is
+    (test_hisr_model.py): the two scripts differ only in their rewards."""
     import inspect
 
     import hisr
     import spa
 
-    for name in ("grounding_terms", "gae", "whiten", "whiten_pooled"):
+    for name in ("grounding_terms", "gae", "whiten", "whiten_pooled", "batch_stats"):
         mine, theirs = getattr(spa, name), getattr(hisr, name)
         assert inspect.getsource(mine) == inspect.getsource(theirs), name
