@@ -15,27 +15,18 @@ reward. Two things differ from SPA:
     (1 - alpha) * that + alpha * g_t, g_t = 1 when the action was admissible (Eq. 8). The outcome
     enters only through the two reward models.
 
-Departures from the paper (no code was released; spec: `Choice:`; in full: docs/hisr.md,
-"Departures from the paper, in full"):
+Departures from the paper (no code was released; spec: `Choice:`; each with its reasons and
+details: docs/hisr.md, "Departures from the paper, in full"):
   * Segments end at environment events, not GPT-4o's; --segmenter turns: one a turn ("w/o SPR").
-  * Collection drops trajectories with a malformed reply (--collect-filter none keeps them); a
-    held-out tenth of the tasks (--aux-heldout) reports the reward models' fit.
-  * SPRM head W2 SiLU(W1 h), no biases, W2 zero at the start; both reward models are full copies,
-    every weight trained.
-  * Inputs: one chat of the episode; the cloze shows all but reply k, turn k's admissible
-    actions, the outcome; float32; over --aux-max-tokens: cut, counted.
-  * Eq. 5 over the rollout policy; Eq. 7 L1 times the SPRM's mass (--him-scale sprm; unit: Eq. 7
-    as written), on the segment's last turn; --no-use-hindsight (w/o HIM): z = 1, and no
-    hindsight model is trained.
+  * Collection drops trajectories with a malformed reply (--collect-filter none keeps them).
+  * SPRM head W2 SiLU(W1 h), no biases, W2 zero at the start; both reward models are full
+    float32 copies, every weight trained.
+  * Their input is one chat of the episode; the cloze adds turn k's admissible actions.
+  * Eq. 5 over the rollout policy; Eq. 7 L1 times the SPRM's mass (--him-scale unit: as written).
   * Grounding as a cost, alpha * (g_t - 1), Eq. 8 less a constant per turn: --grounding-form eq8.
-  * Online RL: every iteration rolls out the current policy (the paper does not say).
-  * PPO, KL (fixed 0.01) and critic as spa.py's: a value head sharing the LoRA, not the spec's
-    separate critic adapter, so that the two scripts differ only in their rewards.
-  * Batch and tiny presets: the harness's (the spec's tiny: 16 rollouts, 4 epochs of 64, rank 8);
-    real preset: the spec's, but the harness's BC; the paper's Llama-3.2-3B-Instruct: --model.
-  * Harness prompts, rollouts, BC; eval at 0.4 (the paper: --eval-temperature 0); tiny ships
-    cloned (--bc-epochs 0), real models clone with LoRA (the paper: every weight).
-  * Not built: streaming the cloze inputs (a batch's are encoded up front).
+  * Online RL; PPO, KL (fixed 0.01) and critic as spa.py's (a value head sharing the LoRA, not the
+    spec's critic adapter), so that the two scripts differ only in their rewards.
+  * The harness's batch, tiny preset, prompts, rollouts and BC; eval at 0.4 (the paper: 0).
   * Readings removed in issue 44 (commit 32ae25f has them): docs/hisr.md, "Readings removed".
 
 Run:
@@ -65,9 +56,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
-# longer on 2 idle cores, half as long next to one busy process (docs/performance.md, "The
-# default run"). An OMP_WAIT_POLICY of your own wins.
+# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
+# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
@@ -82,10 +72,12 @@ from common.dist import (mean_across_processes, minibatches, process_share, same
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (TINY_NAMES, add_lora, length_sorted_chunks, load_lora, merge_lora,
-                          pad_prompt_response, pad_rows, response_logprobs)
+                          next_token_losses, pad_prompt_response, pad_rows,
+                          response_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, start_run, timer, timings
-from envs.text import PROMPT_INTRO, encode_prompt, is_well_formed, parse_action
+from envs.text import (PROMPT_INTRO, encode_prompt, expert_response, is_well_formed,
+                       parse_action)
 
 
 # ---- 1. HISR rewards and advantages (pure functions: float64 tensors in, no grad) --------------
@@ -307,20 +299,6 @@ def whiten_pooled(advantages: list[Tensor]) -> list[Tensor]:
     return list(whiten(torch.cat(advantages)).split([len(a) for a in advantages]))
 
 
-def modulated_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, scale: str = "unit",
-                      use_hindsight: bool = True) -> Tensor:
-    """R^_him of one trajectory, (n,): Eq. 7 with the segment importances of log_z, or with
-    ones without hindsight (the "w/o HIM" ablation keeps Eq. 7's normalisation)."""
-    n = check_segment_ids(seg_ids)
-    if use_hindsight:
-        importance = segment_importance(log_z, seg_ids)
-    else:
-        importance = torch.ones(n, dtype=torch.float64)
-    if len(seg_rewards) != n:
-        raise ValueError(f"{len(seg_rewards)} segment rewards but {n} segments")
-    return modulate_segment_rewards(seg_rewards, importance, scale)
-
-
 def hisr_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, grounded: Tensor,
                  alpha: float = 0.3, placement: str = "end", scale: str = "unit",
                  use_hindsight: bool = True, step_kl: Tensor | None = None,
@@ -328,8 +306,15 @@ def hisr_rewards(seg_rewards: Tensor, log_z: Tensor, seg_ids: Tensor, grounded: 
     """One trajectory's turn rewards, (m,): segment importances (ones without hindsight: the
     "w/o HIM" ablation keeps Eq. 7's normalisation), the modulated segment rewards (Eq. 7)
     placed on turns, fused with grounding (Eq. 8) and the KL penalty."""
-    him = turn_rewards(modulated_rewards(seg_rewards, log_z, seg_ids, scale, use_hindsight),
-                       seg_ids, placement)
+    n = check_segment_ids(seg_ids)
+    if use_hindsight:
+        importance = segment_importance(log_z, seg_ids)  # z(s_i), Eq. 6's z(a_k) summed
+    else:
+        importance = torch.ones(n, dtype=torch.float64)
+    if len(seg_rewards) != n:
+        raise ValueError(f"{len(seg_rewards)} segment rewards but {n} segments")
+    him = turn_rewards(modulate_segment_rewards(seg_rewards, importance, scale), seg_ids,
+                       placement)
     return fused_rewards(him, grounded, alpha, step_kl, kl_coef)
 
 
@@ -370,6 +355,21 @@ def summarize(traj: dict) -> dict:
     return {**{k: traj[k] for k in traj_keys if k in traj}, "steps": steps}
 
 
+def advantage_inputs(traj: dict, grounding_form: str) -> dict:
+    """A trajectory summary as one entry of hisr_advantages' batch: token rows padded, the
+    grounding flags as the terms of grounding_form."""
+    steps = traj["steps"]
+    width = max(len(s["old_logprobs"]) for s in steps)
+    return {"seg_ids": torch.tensor(traj["seg_ids"], dtype=torch.int64),
+            "seg_rewards": torch.tensor(traj["seg_rewards"], dtype=torch.float64),
+            "hind_logp": pad_rows([s["hind_logprobs"].double() for s in steps], width),
+            "policy_logp": pad_rows([s["old_logprobs"].double() for s in steps], width),
+            "mask": pad_rows([torch.ones(len(s["old_logprobs"])) for s in steps], width),
+            "grounded": grounding_terms([float(s["valid"]) for s in steps], grounding_form),
+            "values": torch.tensor([s["value"] for s in steps], dtype=torch.float64),
+            "step_kl": torch.tensor([s["step_kl"] for s in steps], dtype=torch.float64)}
+
+
 def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list]:
     """(advantages, returns) per step of every trajectory of a batch (summaries with the segment
     ids and rewards, and per step "old_logprobs", "hind_logprobs", "valid", "value", "step_kl"):
@@ -387,77 +387,11 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list
         if args.normalize_advantages:
             advantages = whiten_pooled(advantages)
         return advantages, returns
-    batch = [advantage_inputs(t) for t in trajectories]
-    for inputs in batch:
-        inputs["grounded"] = grounding_terms(inputs["grounded"], args.grounding_form)
+    batch = [advantage_inputs(t, args.grounding_form) for t in trajectories]
     return hisr_advantages(batch, beta=args.importance_beta, alpha=args.grounding_weight,
                            gamma=args.gamma, lam=args.gae_lambda, scale=args.him_scale,
                            use_hindsight=args.use_hindsight, kl_coef=args.kl_coef,
                            normalize=args.normalize_advantages)
-
-
-def advantage_inputs(traj: dict) -> dict:
-    """A trajectory summary as one entry of hisr_advantages' batch (token rows padded)."""
-    steps = traj["steps"]
-    width = max(len(s["old_logprobs"]) for s in steps)
-    return {"seg_ids": torch.tensor(traj["seg_ids"], dtype=torch.int64),
-            "seg_rewards": torch.tensor(traj["seg_rewards"], dtype=torch.float64),
-            "hind_logp": pad_rows([s["hind_logprobs"].double() for s in steps], width),
-            "policy_logp": pad_rows([s["old_logprobs"].double() for s in steps], width),
-            "mask": pad_rows([torch.ones(len(s["old_logprobs"])) for s in steps], width),
-            "grounded": torch.tensor([float(s["valid"]) for s in steps]),
-            "values": torch.tensor([s["value"] for s in steps], dtype=torch.float64),
-            "step_kl": torch.tensor([s["step_kl"] for s in steps], dtype=torch.float64)}
-
-
-def outcome_auc(predicted: Tensor, won: Tensor) -> float:
-    """How well predicted outcomes (B,) separate wins from losses (B,) bool: the share of (won,
-    lost) pairs where the won one is predicted higher, ties half; nan without both outcomes.
-    [0.9, 0.2, 0.5] with won [True, False, False] -> 1.0."""
-    wins, losses = predicted[won.bool()].double(), predicted[~won.bool()].double()
-    if len(wins) == 0 or len(losses) == 0:
-        return float("nan")
-    diff = wins[:, None] - losses[None, :]
-    return ((diff > 0).double() + 0.5 * (diff == 0).double()).mean().item()
-
-
-def credit_stats(args: Args, trajectories: list[dict]) -> dict:
-    """What the log shows of the segment credit (the paper's Fig. 4): segments per trajectory,
-    the single-segment share, mean z, the sum of R^_him by outcome, the mean share of |R^| and
-    |R^_him| on the first, middle and last segments of trajectories with 2+ segments, and how
-    well the SPRM's predicted outcome (sum of R^) separates the batch's wins from its losses
-    (AUC; nan for a batch of one outcome), under the policy's drift."""
-    shares = defaultdict(list)
-    sums = {True: [], False: []}
-    z_all = []
-    for t in trajectories:
-        inputs = advantage_inputs(t)
-        seg_rewards = inputs["seg_rewards"]
-        log_z = action_log_importance(inputs["hind_logp"], inputs["policy_logp"],
-                                      inputs["mask"], args.importance_beta)
-        z_all += log_z.exp().tolist()
-        him = modulated_rewards(seg_rewards, log_z, inputs["seg_ids"], args.him_scale,
-                                args.use_hindsight)
-        sums[t["won"]].append(him.sum().item())
-        if len(seg_rewards) < 2:
-            continue
-        for name, values in (("sprm", seg_rewards), ("him", him)):
-            mass = values.abs() / values.abs().sum().clamp(min=1e-12)
-            shares[f"{name}_first"].append(mass[0].item())
-            shares[f"{name}_middle"].append(mass[1:-1].sum().item())
-            shares[f"{name}_last"].append(mass[-1].item())
-    counts = [len(t["seg_rewards"]) for t in trajectories]
-    predicted = torch.tensor([sum(t["seg_rewards"]) for t in trajectories])
-    won = torch.tensor([bool(t["won"]) for t in trajectories])
-    stats = {"credit/sprm_auc": outcome_auc(predicted, won),
-             "credit/segments_per_trajectory": float(np.mean(counts)),
-             "credit/single_segment_share": float(np.mean([c == 1 for c in counts])),
-             "credit/z_mean": float(np.mean(z_all))}
-    stats.update({f"credit/share_{k}": float(np.mean(v)) for k, v in shares.items()})
-    for won, name in ((True, "won"), (False, "lost")):
-        if sums[won]:
-            stats[f"credit/him_sum_{name}"] = float(np.mean(sums[won]))
-    return stats
 
 
 # ---- 2. Segments, the segmental reward model and the hindsight model (Eqs. 2-5) ----------------
@@ -471,8 +405,6 @@ CLOZE_TEXTS = {
              "The episode ended with reward {reward:.1f}. Write the hidden reply."),
     "tiny": ("", "?", "Your task: {reward:.1f}. Give exactly the reply at ?."),
 }
-
-
 CLOZE_ADMISSIBLE = "Admissible actions: {actions}"  # the policy's words (PROMPT_NOW)
 
 
@@ -653,22 +585,20 @@ def collect(args: Args, policy: Policy, tasks: list) -> list[dict]:
     return trajs
 
 
-# A reply that degenerates: a piece of 3-200 characters, starting with a letter or digit, said
-# 3 times in a row with nothing but punctuation or spaces between.
 REPEATED_TEXT_RE = re.compile(r"(\w.{2,199}?)(?:\W*\1){2}", re.DOTALL)
 
 
 def repeats_itself(reply: str) -> bool:
-    """Whether a reply degenerates into repeated text inside itself (REPEATED_TEXT_RE, after
-    white space is collapsed): "go to desk 1, go to desk 1, go to desk 1" -> True;
+    """Whether a reply degenerates (REPEATED_TEXT_RE, white space collapsed): a piece of 3-200
+    characters, starting with a letter or digit, said 3 times in a row with nothing but
+    punctuation or spaces between. "go to desk 1, go to desk 1, go to desk 1" -> True;
     "<action>go to desk 1</action>" -> False."""
     return REPEATED_TEXT_RE.search(" ".join(reply.split())) is not None
 
 
 def keep_for_training(traj: dict, replies: list[str]) -> bool:
-    """The collection filter (the paper's "format errors or repetition"): every reply well formed
-    (an action) and none repeating itself (replies: the decoded replies, in turn order). A
-    failure that loops is kept: the paper keeps 92.7 % of its rollouts."""
+    """The collection filter (the paper's "format errors or repetition"; loops are kept): every
+    reply well formed (an action) and none repeating itself (replies: decoded, in turn order)."""
     steps = traj["steps"]
     return all(s["well_formed"] for s in steps) and not any(repeats_itself(r) for r in replies)
 
@@ -680,6 +610,30 @@ def split_heldout(trajs: list[dict], share: float, rng: random.Random) -> tuple[
     heldout_tasks = set(tasks[:int(len(tasks) * share)])
     heldout = [i for i, t in enumerate(trajs) if t["group"] in heldout_tasks]
     return [i for i, t in enumerate(trajs) if t["group"] not in heldout_tasks], heldout
+
+
+def outcome_auc(predicted: Tensor, won: Tensor) -> float:
+    """How well predicted outcomes (B,) separate wins from losses (B,) bool: the share of (won,
+    lost) pairs where the won one is predicted higher, ties half; nan without both outcomes.
+    [0.9, 0.2, 0.5] with won [True, False, False] -> 1.0."""
+    wins, losses = predicted[won.bool()].double(), predicted[~won.bool()].double()
+    if len(wins) == 0 or len(losses) == 0:
+        return float("nan")
+    diff = wins[:, None] - losses[None, :]
+    return ((diff > 0).double() + 0.5 * (diff == 0).double()).mean().item()
+
+
+def clipped_step(args: Args, optimizer, params: list[Tensor], loss: float, where: str) -> None:
+    """A reward model's optimizer step: gradient-norm clip, stop on a non-finite loss or norm."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+    check_finite(where, loss=loss, grad_norm=grad_norm.item())
+    optimizer.step()
+
+
+def freeze(*modules) -> None:
+    for module in modules:
+        module.eval()
+        module.requires_grad_(False)
 
 
 def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list[int],
@@ -817,19 +771,6 @@ def train_hindsight(args: Args, hindsight, start_model, tokenizer, trajs: list[d
     return stats
 
 
-def clipped_step(args: Args, optimizer, params: list[Tensor], loss: float, where: str) -> None:
-    """A reward model's optimizer step: gradient-norm clip, stop on a non-finite loss or norm."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-    check_finite(where, loss=loss, grad_norm=grad_norm.item())
-    optimizer.step()
-
-
-def freeze(*modules) -> None:
-    for module in modules:
-        module.eval()
-        module.requires_grad_(False)
-
-
 def score_segments(args: Args, sprm, head, tokenizer, trajs: list[dict]) -> int:
     """Writes "seg_ids" and "seg_rewards" (r^_i of the frozen SPRM, Eq. 2) into every
     trajectory. A transcript longer than --aux-max-tokens is read from the longest suffix of
@@ -907,7 +848,7 @@ def train_reward_models(args: Args, start_model, tokenizer, collected: list[dict
     head = SegmentRewardHead(start_model.config.hidden_size).to(device)
     stats.update(train_sprm(args, sprm, head, tokenizer, collected, train, heldout,
                             random.Random(args.seed + 4)))
-    hindsight = None  # w/o HIM (--no-use-hindsight) reads no hindsight model
+    hindsight = None
     if args.use_hindsight:
         hindsight = auxiliary_copy(start_model)
         stats.update(train_hindsight(args, hindsight, start_model, tokenizer, collected, train,
@@ -932,20 +873,18 @@ def save_reward_models(path: str, sprm, head, hindsight, args: Args) -> None:
 
 
 def load_reward_models(args: Args, start_model, path: str):
-    """(SPRM, head, hindsight model), frozen, from a directory save_reward_models wrote; refused
-    when they were trained with other settings of READING than args, or without the admissible
-    actions in the cloze (a reading removed in issue 44). w/o HIM (--no-use-hindsight) loads no
-    hindsight model: None."""
+    """(SPRM, head, hindsight model or None w/o HIM), frozen, from a directory save_reward_models
+    wrote; refused when trained with other settings of READING than args, or with a reading
+    removed in issue 44 (no admissible actions in the cloze)."""
     found = os.path.join(path, "sprm", "head.pt")
     reading = os.path.join(path, "reading.json")
     names = ["sprm", "hindsight"] if args.use_hindsight else ["sprm"]
     needed = [found, reading] + [os.path.join(path, name, "model.pt") for name in names]
     missing = [p for p in needed if not os.path.isfile(p)]
     if missing:
-        raise UsageError(f"--reward-models {path}: {', '.join(missing)} missing (not a "
-                         "reward_models/ directory of hisr.py, one trained with "
-                         "--no-use-hindsight, one written before reading.json existed, or "
-                         "LoRA adapters of --no-aux-full-params, removed in issue 44?)")
+        raise UsageError(f"--reward-models {path}: {', '.join(missing)} missing (not hisr.py's "
+                         "reward_models/, one trained with --no-use-hindsight, or one saved by "
+                         "an older hisr.py?)")
     with open(reading) as f:
         trained = json.load(f)
     differ = [f"--{n.replace('_', '-')} {trained.get(n)!r} (this run: {getattr(args, n)!r})"
@@ -1089,156 +1028,92 @@ def policy_forward(model, value_head, prompts: list[list[int]], responses: list[
 class Args(HarnessArgs):
     """HISR (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
 
-    The defaults --help shows are those a run takes for the --model, --env and --advantage
-    given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
-    other (real) model; the machine and the env set the device (cuda when there is one), the
-    evaluation splits and the env workers (envs/__init__.py). Where and how the run goes (device,
-    run directory, W&B, vLLM, data parallel): HarnessArgs, common/config.py."""
+    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
+    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
+    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
 
-    exp_name: str = "hisr"
-    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
-    seed: int = 1
-    """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
+    exp_name: str = "hisr"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
+    seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
+    # household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)
     env: Literal["household", "alfworld"] = "household"
-    """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
-    model: str = "tiny"
-    """a local directory, hub id or Qwen name; tiny, tiny-weak (shipped), tiny-scratch (BC)"""
+    model: str = "tiny"  # local dir, hub id or Qwen name; tiny, tiny-weak, tiny-scratch (BC)
+    # rollout generation: transformers generate, its continuous batching, or vLLM (GPU)
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
-    """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
 
-    # Reward: the method and the baseline it is compared against.
+    # Reward: hisr, GAE over Eqs. 5-8's rewards; or the baseline ppo, GAE over the sparse
+    # outcome with no reward models
     advantage: Literal["hisr", "ppo"] = "hisr"
-    """hisr: GAE over Eqs. 5-8's rewards; ppo: GAE over the sparse outcome, no reward models"""
-    segmenter: Literal["events", "turns"] = "events"
-    """cut trajectories at events (milestones) or turns (the w/o SPR ablation)"""
-    use_hindsight: bool = True
-    """modulate segment rewards by hindsight importance (Eqs. 5-7); off: w/o HIM, z = 1"""
-    importance_beta: float = 0.3
-    """beta of Eq. 6: importance = exp(mean token log-ratio / beta)"""
-    grounding_weight: float = 0.3
-    """alpha of Eq. 8, weight of the grounding flag; 0 = the w/o AGR ablation"""
-    him_scale: Literal["sprm", "unit"] = "sprm"
-    """sprm: Eq. 7 times the SPRM's L1 mass; unit: Eq. 7 as written (mass 1 per trajectory)"""
-    grounding_form: Literal["cost", "eq8"] = "cost"
-    """cost: alpha * (g_t - 1); eq8: alpha * g_t as written (online, pays for length)"""
-    gamma: float = 0.99
-    """discount of GAE"""
-    gae_lambda: float = 0.95
-    """lambda of GAE"""
-    normalize_advantages: bool = True
-    """whiten the step advantages over the batch (population variance)"""
-    kl_coef: float = 0.01
-    """weight of the per-step KL to the reference, subtracted from the reward; 0 skips it"""
-    vf_coef: float = 0.1
-    """weight of the value loss beside the policy loss"""
-    value_clip: float = 0.2
-    """the value prediction may move at most this far from the rollout's value (clipped loss)"""
-    value_learning_rate: float = 5e-3
-    """AdamW learning rate of the value head (the LoRA weights: --learning-rate)"""
+    segmenter: Literal["events", "turns"] = "events"  # cut at milestone events, or turns (w/o SPR)
+    use_hindsight: bool = True  # hindsight importance z (Eqs. 5-7); off: z = 1, w/o HIM
+    importance_beta: float = 0.3  # beta of Eq. 6: z = exp(mean token log-ratio / beta)
+    grounding_weight: float = 0.3  # alpha of Eq. 8, the grounding term's weight; 0: w/o AGR
+    him_scale: Literal["sprm", "unit"] = "sprm"  # sprm: Eq. 7 x sum |r|; unit: Eq. 7 as written
+    grounding_form: Literal["cost", "eq8"] = "cost"  # cost: alpha(g_t - 1); eq8: alpha g_t (Eq. 8)
+    gamma: float = 0.99  # discount of GAE
+    gae_lambda: float = 0.95  # lambda of GAE
+    normalize_advantages: bool = True  # whiten advantages over the batch (population variance)
+    kl_coef: float = 0.01  # per-step KL to the reference, subtracted from the reward; 0 skips it
+    vf_coef: float = 0.1  # weight of the value loss beside the policy loss
+    value_clip: float = 0.2  # the value loss clips V to V_old +- this (V_old: the rollout's)
+    value_learning_rate: float = 5e-3  # AdamW rate of the value head (the LoRA's: --learning-rate)
 
     # Collection and the reward models (Eqs. 2-4)
-    collect_num_tasks: int = 48
-    """training tasks the start policy plays to collect D_ct; 0 = every one"""
-    collect_rollouts: int = 4
-    """N, rollouts per collected task"""
-    collect_temperature: float = 0.7
-    """sampling temperature of the collection rollouts (the paper's)"""
+    collect_num_tasks: int = 48  # training tasks the start policy plays to collect D_ct; 0: all
+    collect_rollouts: int = 4  # N, rollouts per collected task
+    collect_temperature: float = 0.7  # sampling temperature of collection (the paper's)
+    # the reward models' data: trajectories whose replies are all well formed, or all of them
     collect_filter: Literal["well-formed", "none"] = "well-formed"
-    """the reward models' data: trajectories with well-formed replies only, or all of them"""
-    reward_models: str | None = None
-    """trained reward models (a run's reward_models/): skips collection and training"""
-    sprm_epochs: int = 3
-    """epochs of SPRM training"""
-    sprm_learning_rate: float = 1e-3
-    """AdamW learning rate of the SPRM and its head"""
-    sprm_batch_size: int = 16
-    """trajectories per SPRM update (the paper's)"""
-    hindsight_epochs: int = 1
-    """epochs of hindsight-model training (the paper's)"""
-    hindsight_learning_rate: float = 1e-3
-    """AdamW learning rate of the hindsight model"""
-    hindsight_batch_size: int = 16
-    """masked replies per hindsight update (micro-batches of --micro-batch-size)"""
-    aux_max_tokens: int = 2048
-    """longest transcript or cloze input the reward models read"""
-    aux_heldout: float = 0.1
-    """share of collected tasks held out, unfiltered, to report the reward models' fit"""
+    reward_models: str | None = None  # a run's reward_models/: skips collection and their training
+    sprm_epochs: int = 3  # epochs of SPRM training
+    sprm_learning_rate: float = 1e-3  # AdamW learning rate of the SPRM and its head
+    sprm_batch_size: int = 16  # trajectories per SPRM update (the paper's)
+    hindsight_epochs: int = 1  # epochs of hindsight-model training (the paper's)
+    hindsight_learning_rate: float = 1e-3  # AdamW learning rate of the hindsight model
+    hindsight_batch_size: int = 16  # masked replies per hindsight update (micro-batched)
+    aux_max_tokens: int = 2048  # longest transcript or cloze input the reward models read
+    aux_heldout: float = 0.1  # share of collected tasks held out, unfiltered, to report the fit
 
     # RL
-    iterations: int = 8
-    """training iterations; 0 = BC, collection, reward models and the start evaluation"""
-    tasks_per_iteration: int = 4
-    """training tasks per iteration, each played --group-size times"""
-    group_size: int = 8
-    """N trajectories per task (HISR needs no groups)"""
-    max_episode_steps: int = 30
-    """step limit of a game"""
-    learning_rate: float = 5e-4
-    """AdamW learning rate of the LoRA weights"""
-    weight_decay: float = 0.0
-    """AdamW weight decay of the RL update"""
-    clip_eps: float = 0.2
-    """PPO clip range epsilon of the ratio (Eq. 9)"""
-    clip_ratio_c: float | None = None
-    """dual-clip bound c > 1: for A < 0 the loss is at most -c * A (off by default)"""
-    entropy_coef: float = 0.0
-    """weight of the entropy bonus"""
-    ppo_epochs: int = 1
-    """passes over an iteration's step samples"""
-    minibatch_size: int = 256
-    """step samples per optimizer step"""
-    micro_batch_size: int = 16
-    """step samples per forward pass"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip of every optimizer step"""
-    rollout_temperature: float = 1.0
-    """sampling temperature of training rollouts (PPO scores under the same)"""
-    eval_top_p: float = 1.0
-    """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
-    max_new_tokens: int = 12
-    """response length limit"""
-    history_length: int = 1
-    """past (observation, action) pairs shown in the prompt"""
-    reasoning: bool = False
-    """ask for <think> reasoning before the action"""
+    iterations: int = 8  # training iterations; 0 = BC, collection, reward models, start evaluation
+    tasks_per_iteration: int = 4  # training tasks per iteration, each played --group-size times
+    group_size: int = 8  # N trajectories per task (HISR needs no groups)
+    max_episode_steps: int = 30  # step limit of a game
+    learning_rate: float = 5e-4  # AdamW learning rate of the LoRA weights
+    weight_decay: float = 0.0  # AdamW weight decay of the RL update
+    clip_eps: float = 0.2  # PPO clip range epsilon of the ratio (Eq. 9)
+    clip_ratio_c: float | None = None  # dual clip c > 1: for A < 0 the loss is at most -c * A
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    ppo_epochs: int = 1  # passes over an iteration's step samples
+    minibatch_size: int = 256  # step samples per optimizer step
+    micro_batch_size: int = 16  # step samples per forward pass
+    max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
+    rollout_temperature: float = 1.0  # sampling temperature of training rollouts and of PPO
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    max_new_tokens: int = 12  # response length limit
+    history_length: int = 1  # past (observation, action) pairs shown in the prompt
+    reasoning: bool = False  # ask for <think> reasoning before the action
 
     # LoRA
-    lora_r: int = 16
-    """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
-    lora_alpha: int = 32
-    """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
+    lora_r: int = 16  # LoRA rank of the RL adapter (and of BC without --bc-full-params)
+    lora_alpha: int = 32  # LoRA alpha (the update is scaled by alpha / r)
+    lora_dropout: float = 0.0  # dropout on the LoRA input
+    lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear
 
     # Behavior cloning on expert trajectories (HISR's first stage)
-    bc_epochs: int = 0
-    """epochs of behavior cloning before collection; 0 skips it"""
-    bc_full_params: bool = True
-    """train every weight during BC instead of a LoRA adapter"""
-    bc_num_tasks: int = 400
-    """training tasks the expert plays for BC demonstrations"""
-    bc_noise: float = 0.2
-    """share of demonstration steps that execute a mistake (the label stays the expert's)"""
-    bc_prompt_loss_weight: float = 1.0
-    """weight of the prompt tokens' next-token loss in BC (see bc_loss)"""
-    bc_learning_rate: float = 2e-3
-    """AdamW learning rate of behavior cloning"""
-    bc_batch_size: int = 8
-    """demonstration steps per BC update"""
+    bc_epochs: int = 0  # epochs of behavior cloning before collection; 0 skips it
+    bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
+    bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
+    bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
+    bc_batch_size: int = 8  # demonstration steps per BC update
 
     # Evaluation
-    eval_splits: tuple[str, ...] = ("test",)
-    """splits to evaluate on, the first is the headline"""
-    eval_every: int = 8
-    """iterations between evaluations, besides iteration 0 and the last"""
-    eval_num_tasks: int = 200
-    """first tasks of each split to evaluate; 0 = the whole split"""
-    eval_temperature: float = 0.4
-    """sampling temperature of evaluation (0.4 in every script; HISR's paper: 0)"""
-    save_every: int = 10
-    """iterations between checkpoints (the last iteration is always saved)"""
+    eval_splits: tuple[str, ...] = ("test",)  # splits to evaluate on, the first is the headline
+    eval_every: int = 8  # iterations between evaluations, besides iteration 0 and the last
+    eval_num_tasks: int = 200  # first tasks of each split to evaluate; 0 = the whole split
+    eval_temperature: float = 0.4  # sampling temperature of evaluation (HISR's paper: 0, greedy)
+    save_every: int = 10  # iterations between checkpoints (the last iteration is always saved)
 
 
 PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
@@ -1272,11 +1147,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
-    probability args.bc_noise a mistake is executed instead (see _perturb).
+    probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (raw observation = anchor text), "admissible" (the actions the prompt
+    None), "state" (the observation it saw), "admissible" (the actions the prompt
     listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
     from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
     "label"}]}.
@@ -1299,11 +1174,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
         with timer("generation"):
             if expert:
                 responses = logprobs = [None] * len(active)
-                # An expert that gave up (label None) only looks around; BC skips those steps.
-                labels = [games[i].expert_action() for i in active]
-                commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise,
-                                     expert_rng) if label is not None else "look"
-                            for i, label in zip(active, labels)]
+                demos = [envs.noisy_expert(games[i], trajs[i]["history"], args.bc_noise,
+                                           expert_rng) for i in active]
+                labels = [label for label, _ in demos]  # None: BC skips the step
+                commands = [command for _, command in demos]
                 well_formed = has_action = [True] * len(active)
             else:
                 responses, logprobs = policy.generate(prompts, temperature, top_p)
@@ -1335,50 +1209,18 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     return trajs
 
 
-def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
-    """The command a noisy expert executes: its own with probability 1 - noise; else, half the
-    time, the previous command again (the typical mistake, usually answered "Nothing happens."),
-    and otherwise a random admissible one."""
-    if rng.random() >= noise:
-        return label
-    if history and rng.random() < 0.5:
-        return history[-1][1]
-    return rng.choice(game.admissible_actions())
-
-
 # ---- 6. Behavior cloning on expert trajectories -------------------------------------------------
-def expert_response(action: str, reasoning: bool) -> str:
-    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
-            else f"<action>{action}</action>")
-
-
 def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
             prompt_weight: float = 0.0) -> tuple[Tensor, Tensor]:
     """(loss, response_loss): mean cross-entropy of the response tokens, plus prompt_weight times
-    the mean next-token cross-entropy of the prompt tokens ("train on inputs").
-
-    Why the prompt term: the prompts are full of repeats (the admissible actions name what the
-    observations saw), so predicting them teaches a randomly initialised model to copy from its
-    context, which the actions need, in far fewer updates. A pretrained model needs no such help
-    (prompt_weight 0: only the response logits are computed)."""
+    the mean next-token cross-entropy of the prompt tokens ("train on inputs": it teaches a
+    randomly initialised model to copy from its context, which the actions need; prompt_weight
+    0, for a pretrained model: only the response logits are computed)."""
     if prompt_weight == 0:
         logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
         response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
         return response_loss, response_loss
-    device = next(model.parameters()).device
-    input_ids, attention, position_ids, _, response_mask = (
-        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False).logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
-                                            reduction="none")
-    # (B, L-1): the target and its context are real tokens
-    valid = (attention[:, 1:] * attention[:, :-1]).float()
-    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
-    # nll[:, P-1:].
-    split = input_ids.shape[1] - response_mask.shape[1] - 1
-    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
-    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
+    response_loss, prompt_loss = next_token_losses(model, prompts, responses, pad_id)
     return response_loss + prompt_weight * prompt_loss, response_loss
 
 
@@ -1386,6 +1228,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     """SFT on the env expert's trajectories: cross-entropy on the response tokens (plus, with
     --bc-prompt-loss-weight, on the prompt tokens; see bc_loss). Trains the parameters of `model`
     that require grad (a LoRA adapter, or all of them) in place."""
+    t0 = time.time()
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
     demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
@@ -1430,7 +1273,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             loss_value = response_loss.item()
             progress.update(1, loss=loss_value)
     progress.close()
-    return {"bc/loss": loss_value, "bc/steps": len(samples),
+    return {"bc/loss": loss_value, "bc/steps": len(samples), "bc/seconds": time.time() - t0,
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
@@ -1440,9 +1283,7 @@ def clone_start(args: Args, run: Run, model, tokenizer, train_tasks: list):
     if not args.bc_full_params:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
                          args.lora_target_modules)
-    t0 = time.time()
     stats = behavior_cloning(args, model, tokenizer, train_tasks)
-    stats["bc/seconds"] = time.time() - t0
     if not args.bc_full_params:
         model = merge_lora(model)
     model.requires_grad_(False)
@@ -1489,14 +1330,17 @@ def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) 
     log pi_ref. Written into each step; each pass timed under its name."""
     steps = [s for tr in trajs for s in tr["steps"]]
     lengths = [len(s["prompt"]) + len(s["response_ids"]) for s in steps]
-    pad, temperature = tokenizer.pad_token_id, args.rollout_temperature
+    chunks = length_sorted_chunks(list(range(len(steps))), lengths, args.micro_batch_size)
+
+    def forward(idx: list[int]):
+        return policy_forward(model, value_head, [steps[i]["prompt"] for i in idx],
+                              [steps[i]["response_ids"] for i in idx], tokenizer.pad_token_id,
+                              args.rollout_temperature)
+
     model.eval()  # no dropout when scoring the rollout policy
     with torch.no_grad(), timer("old_logprobs"):
-        for idx in length_sorted_chunks(list(range(len(steps))), lengths, args.micro_batch_size):
-            logp, _, _, values = policy_forward(model, value_head,
-                                                [steps[i]["prompt"] for i in idx],
-                                                [steps[i]["response_ids"] for i in idx], pad,
-                                                temperature)
+        for idx in chunks:
+            logp, _, _, values = forward(idx)
             for row, value, i in zip(logp.cpu(), values.tolist(), idx):
                 steps[i]["old_logprobs"] = row[:len(steps[i]["response_ids"])]
                 steps[i]["value"] = value
@@ -1504,13 +1348,9 @@ def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) 
         for s in steps:
             s["step_kl"] = 0.0
         if args.kl_coef > 0:  # without a KL term the reference pass is skipped
-            for idx in length_sorted_chunks(list(range(len(steps))), lengths,
-                                            args.micro_batch_size):
+            for idx in chunks:
                 with model.disable_adapter():  # the same pass, so a zero adapter gives KL 0
-                    ref, _, _, _ = policy_forward(model, value_head,
-                                                  [steps[i]["prompt"] for i in idx],
-                                                  [steps[i]["response_ids"] for i in idx], pad,
-                                                  temperature)
+                    ref, _, _, _ = forward(idx)
                 for row, i in zip(ref.cpu(), idx):
                     old = steps[i]["old_logprobs"]
                     steps[i]["step_kl"] = (old - row[:len(old)]).sum().item()
@@ -1528,13 +1368,10 @@ class StepSample(NamedTuple):
 
 def policy_update(args: Args, model, value_head, tokenizer, optimizer,
                   samples: list[StepSample], generator: torch.Generator, iteration: int) -> dict:
-    """PPO with a critic over the step samples: `ppo_epochs` passes of shuffled mini-batches with
-    gradient accumulation; loss = clipped surrogate (token-mean) + vf_coef * clipped value loss
-    (step-mean).
-
-    With several processes, `samples` is this process's share, in process order, of one batch:
-    the mini-batches are drawn from the whole batch exactly as one process would draw them, each
-    process computes the gradient of its members, and the sum over processes is the update."""
+    """PPO with a critic over the step samples, `ppo_epochs` passes of shuffled mini-batches: loss
+    = clipped surrogate (token-mean) + vf_coef * clipped value loss (step-mean). Data parallel:
+    `samples` is this process's share of the batch, in process order; the mini-batches are drawn
+    as one process would draw them, and the update is the sum of every process's gradients."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
@@ -1730,11 +1567,8 @@ def main(args: Args) -> dict:
                       "time/iteration_seconds": time.time() - t0,
                       "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9)})
         if sprm is not None:
-            stats.update(credit_stats(args, batch))
             stats.update({name: sum(gather_object([n])) for name, n in cut.items()})
-        # Where the iteration's time went (the main process's): prompts, generation, env, the
-        # scoring (old_logprobs with values, ref_logprobs, sprm, hindsight), advantages, update.
-        stats.update(timings())  # each timer("x") above as time/x_seconds
+        stats.update(timings())  # the main process's timer("x") blocks as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],

@@ -1,16 +1,15 @@
 """iStar: implicit step rewards for multi-turn agent RL (Liu et al., 2025), single-file reference.
 
-iStar learns a dense reward per step without step labels:
+iStar learns a dense reward per step without step labels (Algorithm 1):
   * an implicit process reward model (PRM), a second causal LM started from the policy's start,
     gives step t the reward r_t = beta * sum over the reply's tokens of log pi_PRM - log pi_old
     (Eq. 1), pi_old being the policy that played the batch;
-  * every iteration the PRM takes one trajectory-level DPO step (Eq. 2): in each group, every won
-    trajectory is preferred to every lost one, with pi_old as the DPO reference;
+  * every iteration the PRM takes one trajectory-level DPO step (Eq. 2), after its r_t were read:
+    in each group, every won trajectory is preferred to every lost one, pi_old the reference;
   * the policy's advantage is an episode term from the 0/1 outcomes plus alpha times a step term
     from the implicit step rewards, both with the same group baseline, RLOO (the paper's main
     results) or GRPO (Eqs. 3-5), and PPO-clip without KL optimises it (Eq. 6).
-  Step rewards come from the PRM as it was before this iteration's DPO step (Algorithm 1). No
-  critic, no extra rollouts, no step labels.
+  No critic, no extra rollouts, no step labels.
 
 Departures from the paper and its released code (spec: `Choice:`; in full: docs/istar.md,
 "Departures from the paper, in full"):
@@ -27,8 +26,6 @@ Departures from the paper and its released code (spec: `Choice:`; in full: docs/
   * Invalid replies: --invalid-action-penalty off the advantage, not the spec's -0.1 inside r_o.
   * LoRA rates in the code's relation: the policy at half the baselines', the PRM at twice the
     policy's; weight decay 0; the baselines keep the old log-probs recorded at sampling.
-  * Logged: the PRM's pair accuracy before its step; the step term's share of |A| by group kind.
-  * No won-lost pair: the PRM stays, but r_t then measures the policy's drift and pulls it back.
   * Environments: the household and ALFWorld (30 / 50 steps), not WebShop, VisualSokoban, SOTOPIA.
   * Harness prompts, rollouts, BC (not ReAct); real models start from Instruct (--bc-epochs 0).
   * Not built: the PRIME baseline, the "merged" ablation, REINFORCE++ w/ iStar.
@@ -46,7 +43,6 @@ behavior cloning, 7 evaluation, 8 training loop.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
@@ -59,9 +55,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
-# longer on 2 idle cores, half as long next to one busy process (docs/performance.md, "The
-# default run"). An OMP_WAIT_POLICY of your own wins.
+# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
+# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.nn.functional as F
@@ -77,19 +72,16 @@ from common.dist import (mean_across_processes, minibatches, process_share, same
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
-                          pad_prompt_response, pad_rows, response_logprobs)
+                          next_token_losses, pad_rows, response_logprobs, scored_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, start_run, timer, timings
-from envs.text import encode_prompt, is_well_formed, parse_action
+from envs.text import encode_prompt, expert_response, is_well_formed, parse_action
 
 
 # ---- 1. iStar rewards and advantages (pure functions; advantages in float64, no grad) ----------
-ESTIMATORS = ("grpo", "rloo")
-
-
 def _check_estimator(estimator: str) -> None:
-    """ValueError unless estimator is one of ESTIMATORS (no silent fallback)."""
-    if estimator not in ESTIMATORS:
+    """ValueError unless estimator is grpo or rloo (no silent fallback)."""
+    if estimator not in ("grpo", "rloo"):
         raise ValueError(f"estimator must be 'grpo' or 'rloo', not {estimator!r}")
 
 
@@ -129,16 +121,21 @@ def trajectory_scores(step_rewards: list[Tensor], traj_agg: str = "mean") -> lis
     return [r.sum() for r in step_rewards]
 
 
+def group_members(group_ids: list) -> list[list[int]]:
+    """The indices of each group's members, in input order; groups in order of first appearance."""
+    members: dict = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    return list(members.values())
+
+
 def preference_pairs(outcomes: list[float], group_ids: list,
                      pos_threshold: float = 0.0) -> list[tuple[int, int]]:
     """Eq. 2's pairs: (positive, negative) index pairs, every combination inside each group.
     Positive: outcome > pos_threshold, negative: the others. Groups in order of first
     appearance, then positives, then negatives, in input order."""
-    members: dict = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
     pairs = []
-    for idx in members.values():
+    for idx in group_members(group_ids):
         positives = [i for i in idx if outcomes[i] > pos_threshold]
         negatives = [i for i in idx if outcomes[i] <= pos_threshold]
         pairs += [(p, n) for p in positives for n in negatives]
@@ -147,12 +144,9 @@ def preference_pairs(outcomes: list[float], group_ids: list,
 
 def trajectory_dpo_loss(step_rewards: list[Tensor], outcomes: list[float], group_ids: list,
                         pos_threshold: float = 0.0, traj_agg: str = "mean") -> tuple[Tensor, int]:
-    """Eq. 2, trajectory-level DPO with the sampling policy as reference.
-
-    step_rewards[i] (T_i,) of trajectory i (with grad, un-rescaled); S_i = their mean (or sum;
-    an empty trajectory scores 0). Positives: outcome > pos_threshold, negatives: the others.
-    Every (positive, negative) pair inside each group; loss = mean over all pairs of
-    -logsigmoid(S_pos - S_neg). Returns (loss, n_pairs); (tensor(0.), 0) without any pair."""
+    """Eq. 2, trajectory-level DPO with the sampling policy as reference: the mean over the
+    preference_pairs of -logsigmoid(S_pos - S_neg), S_i the trajectory_scores of step_rewards[i]
+    (T_i,), with grad, un-rescaled. Returns (loss, n_pairs); (tensor(0.), 0) without any pair."""
     scores = trajectory_scores(step_rewards, traj_agg)
     pairs = preference_pairs(outcomes, group_ids, pos_threshold)
     margins = [scores[p] - scores[n] for p, n in pairs]
@@ -164,12 +158,10 @@ def trajectory_dpo_loss(step_rewards: list[Tensor], outcomes: list[float], group
 def dpo_pair_accuracy(step_rewards: list[Tensor], outcomes: list[float], group_ids: list,
                       pos_threshold: float = 0.0, traj_agg: str = "mean") -> tuple[float, int]:
     """The PRM's pairwise accuracy on trajectory_dpo_loss's pairs (the code's dpo_acc_before, when
-    the rewards are the PRM's before its DPO step): the share of (positive, negative) pairs with
-    S_pos > S_neg, S scored as the loss scores it (--traj-agg); a tie counts 1/2, so a PRM that
-    tells no trajectory apart (every r_t = 0, the first iteration) scores 0.5, as chance.
-    step_rewards[i] (T_i,); the mean is over all pairs of the batch. The code's averages per
-    group, scores a group without pairs 0.5 and breaks ties by pair order: the two figures are
-    not to be compared directly. Returns (accuracy, n_pairs); (nan, 0) without any pair."""
+    the rewards are the PRM's before its DPO step, though not computed alike: docs/istar.md): the
+    share of the batch's (positive, negative) pairs with S_pos > S_neg, S as the loss scores it;
+    a tie counts 1/2, so a PRM that scores every r_t 0 (the first iteration) gets 0.5, as chance.
+    step_rewards[i] (T_i,). Returns (accuracy, n_pairs); (nan, 0) without any pair."""
     scores = [float(s) for s in trajectory_scores(step_rewards, traj_agg)]
     pairs = preference_pairs(outcomes, group_ids, pos_threshold)
     if not pairs:
@@ -236,10 +228,7 @@ def step_advantages(step_rewards: list[Tensor], estimator: str = "grpo", eps: fl
     if not step_rewards:
         return []
     flat = torch.cat([r.detach().to(torch.float64) for r in step_rewards])
-    if estimator == "grpo":
-        flat = group_normalize(flat, eps, use_std)
-    else:
-        flat = leave_one_out(flat)
+    flat = group_normalize(flat, eps, use_std) if estimator == "grpo" else leave_one_out(flat)
     return list(torch.split(flat, [len(r) for r in step_rewards]))
 
 
@@ -266,11 +255,8 @@ def istar_batch_advantages(outcomes: list[float], step_rewards: list[Tensor], gr
     step_rewards = [r.detach().to(torch.float64) for r in step_rewards]
     if step_reward_scale == "max_abs":
         step_rewards = scale_step_rewards_max_abs(step_rewards)
-    members: dict = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
     out: list[Tensor] = [torch.empty(0)] * len(step_rewards)
-    for idx in members.values():
+    for idx in group_members(group_ids):
         group_outcomes = torch.tensor([outcomes[i] for i in idx], dtype=torch.float64)
         advs = istar_group_advantages(group_outcomes, [step_rewards[i] for i in idx], alpha,
                                       estimator, eps, use_std)
@@ -287,16 +273,12 @@ def step_term_shares(step_terms: list[Tensor], advantages: list[Tensor], won: li
     step_terms[i], advantages[i]: (T_i,) of trajectory i, alpha * A^S and the advantage the
     update uses (A^E + alpha * A^S minus the invalid-action penalty); won[i], group_ids[i].
     step_share_<kind> = sum over the kind's steps of |alpha * A^S| / sum of |A| (sums over
-    steps, not a mean of per-step ratios). A uniform group of two or more has A^E = 0, so its
-    share is 1 but for the penalty; a share above 1 means the terms cancel. abs_share_uniform =
-    the uniform groups' share of the batch's sum |A|. NaN where a denominator is 0 (no steps of
-    that kind, or every A = 0)."""
-    members: dict = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
+    steps, not a mean of per-step ratios; how to read it: docs/istar.md). abs_share_uniform = the
+    uniform groups' share of the batch's sum |A|. NaN where a denominator is 0 (no steps of that
+    kind, or every A = 0)."""
     step_sum = {"uniform": 0.0, "mixed": 0.0}
     abs_sum = {"uniform": 0.0, "mixed": 0.0}
-    for idx in members.values():
+    for idx in group_members(group_ids):
         kind = "uniform" if len({bool(won[i]) for i in idx}) == 1 else "mixed"
         for i in idx:
             step_sum[kind] += float(step_terms[i].abs().sum())
@@ -338,8 +320,7 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
     outcomes = [args.success_reward * float(t["won"]) for t in trajectories]
     groups = [t["group"] for t in trajectories]
     if args.advantage == "istar":
-        step_rewards = [torch.tensor(t["step_rewards"], dtype=torch.float64)
-                        for t in trajectories]
+        step_rewards = [torch.tensor(t["step_rewards"], dtype=torch.float64) for t in trajectories]
         advantages = istar_batch_advantages(outcomes, step_rewards, groups, args.step_weight,
                                             args.estimator, use_std=args.use_std,
                                             step_reward_scale=args.step_reward_scale)
@@ -353,21 +334,27 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
 
 
 # ---- 2. Implicit PRM: step rewards (Eq. 1) and its DPO step (Eq. 2) -----------------------------
-def implicit_prm(args: Args, run: Run, start_model):
-    """The implicit PRM: a copy of the start with a LoRA adapter of its own, initialised from its
-    own random draws (so that the policy's init and rollouts match the baselines'), or on
-    --resume the adapter the run saved (checkpoint/prm/)."""
+def implicit_prm(args: Args, run: Run, start_model) -> tuple:
+    """(the implicit PRM, its AdamW); (None, None) for the baselines. The PRM is a copy of the
+    policy's start with a LoRA adapter of its own, initialised from its own random draws (so that
+    the policy's init and rollouts match the baselines'), or on --resume the adapter the run
+    saved (checkpoint/prm/). No weight decay, as the code."""
+    if args.advantage != "istar":
+        return None, None
     prm = copy.deepcopy(start_model)
     if args.resume:
         path = os.path.join(run.checkpoint, "prm")
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise UsageError(f"--resume {args.resume}: no checkpoint/prm/ (the PRM's adapter) "
                              "in it")
-        return load_lora(prm, path)
-    with torch.random.fork_rng():
-        torch.manual_seed(args.seed + 1)
-        return add_lora(prm, args.lora_r, args.lora_alpha, args.lora_dropout,
-                        args.lora_target_modules)
+        prm = load_lora(prm, path)
+    else:
+        with torch.random.fork_rng():
+            torch.manual_seed(args.seed + 1)
+            prm = add_lora(prm, args.lora_r, args.lora_alpha, args.lora_dropout,
+                           args.lora_target_modules)
+    params = [p for p in prm.parameters() if p.requires_grad]
+    return prm, torch.optim.AdamW(params, lr=args.prm_learning_rate, weight_decay=0.0)
 
 
 def score_responses(model, tokenizer, samples: list[tuple], micro_batch_size: int,
@@ -403,6 +390,27 @@ def step_rewards_per_trajectory(trajs: list[dict], prm_logp: list[Tensor],
     return [r.tolist() for r in implicit_step_rewards(prm_steps, old_steps, beta)]
 
 
+def score_rollouts(args: Args, model, prm, tokenizer, trajs: list[dict]) -> list[tuple]:
+    """Algorithm 1 (3, 4): each step of `trajs`, in order, as (prompt_ids, response_ids, old
+    log-probs); with the PRM, also each trajectory's "step_rewards" (Eq. 1) from the PRM before
+    its DPO step, the old log-probs scored as the PRM's are (score_responses). The baselines
+    (prm None) keep the log-probs recorded at sampling."""
+    steps = [s for tr in trajs for s in tr["steps"]]
+    if prm is None:
+        return [(s["prompt"], s["response_ids"], s["logprobs"]) for s in steps]
+    replies = [(s["prompt"], s["response_ids"]) for s in steps]
+    with timer("old_logprobs"):
+        old_logp = score_responses(model, tokenizer, replies, args.micro_batch_size,
+                                   args.rollout_temperature)
+    with timer("prm_logprobs"):
+        prm_logp = score_responses(prm, tokenizer, replies, args.micro_batch_size,
+                                   args.rollout_temperature)
+    step_rewards = step_rewards_per_trajectory(trajs, prm_logp, old_logp, args.beta)
+    for tr, rewards in zip(trajs, step_rewards, strict=True):
+        tr["step_rewards"] = rewards
+    return [(p, r, lp.tolist()) for (p, r), lp in zip(replies, old_logp)]
+
+
 def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples: list[tuple],
                mine: range, iteration: int) -> dict:
     """One DPO step of the PRM on the batch's preference pairs (Eq. 2).
@@ -413,15 +421,13 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
     The gradient is exactly that of the batch's DPO loss, taken in micro-batches: dLoss/dr_t from
     the scored rewards first, then sum_t dLoss/dr_t * r_t(phi) backpropagated through the PRM.
     Steps of trajectories in no pair have dLoss/dr_t = 0 and are skipped."""
-    dist = PartialState()
     rewards = [torch.tensor(t["step_rewards"], dtype=torch.float64, requires_grad=True)
                for t in batch]
     outcomes, groups = [float(t["won"]) for t in batch], [t["group"] for t in batch]
     loss, n_pairs = trajectory_dpo_loss(rewards, outcomes, groups, traj_agg=args.traj_agg)
     if n_pairs == 0:  # every group all won or all lost: nothing to prefer, no step
         return {"prm/pairs": 0}
-    # The loss and pairwise accuracy of a fresh batch under the PRM before its step: held-out;
-    # log 2 and 0.5 = no preference.
+    # Both on a batch the PRM has not trained on, before its step: log 2 and 0.5 = no preference.
     accuracy, _ = dpo_pair_accuracy([r.detach() for r in rewards], outcomes, groups,
                                     traj_agg=args.traj_agg)
     stats = {"prm/dpo_loss": loss.item(), "prm/pair_accuracy_before": accuracy,
@@ -441,7 +447,7 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
         logp, mask, _ = response_logprobs(prm, [samples[k][0] for k in idx],
                                           [samples[k][1] for k in idx], tokenizer.pad_token_id,
                                           temperature=args.rollout_temperature)
-        old = pad_rows([samples[k][2] for k in idx], logp.shape[1]).to(device)
+        old = pad_rows([torch.as_tensor(samples[k][2]) for k in idx], logp.shape[1]).to(device)
         mask = mask.to(device)
         step_rewards = torch.stack([implicit_step_reward(logp[j], old[j], args.beta, mask[j])
                                     for j in range(len(idx))])  # Eq. 1, with grad
@@ -453,20 +459,8 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
     check_finite(f"iteration {iteration}, PRM step", loss=loss.item(), grad_norm=grad_norm)
     optimizer.step()
     stats["prm/grad_norm"] = grad_norm
-    if not dist.num_processes > 1:  # this process's count; the batch's only with one process
+    if PartialState().num_processes == 1:  # this process's count: the batch's with one process
         stats["prm/trained_steps"] = len(trained)
-    return stats
-
-
-def step_reward_stats(args: Args, batch: list[dict], advantages: list[Tensor]) -> dict:
-    """The step rewards in the training log: their mean and largest |r| over the batch, and
-    step_term_shares of the batch's advantages (credit/...; the defined ones)."""
-    rewards = [r for tr in batch for r in tr["step_rewards"]]
-    stats = {"prm/step_reward_mean": float(np.mean(rewards)),
-             "prm/step_reward_abs_max": float(np.max(np.abs(rewards)))}
-    shares = step_term_shares(istar_step_terms(args, batch), advantages,
-                              [t["won"] for t in batch], [t["group"] for t in batch])
-    stats.update({f"credit/{k}": v for k, v in shares.items() if not math.isnan(v)})
     return stats
 
 
@@ -514,124 +508,75 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 class Args(HarnessArgs):
     """iStar (and the RLOO / GRPO baselines) for multi-turn LLM agents.
 
-    The defaults --help shows are those a run takes for the --model, --env and --advantage
-    given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
-    other (real) model; the machine and the env set the device (cuda when there is one), the
-    evaluation splits and the env workers (envs/__init__.py). Where and how the run goes (device,
-    run directory, W&B, vLLM, data parallel): HarnessArgs, common/config.py."""
+    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
+    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
+    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
 
-    exp_name: str = "istar"
-    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
-    seed: int = 1
-    """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
+    exp_name: str = "istar"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
+    seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
+    # household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)
     env: Literal["household", "alfworld"] = "household"
-    """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
-    model: str = "tiny"
-    """a local directory, hub id or Qwen name; tiny, tiny-weak (shipped), tiny-scratch (BC)"""
+    model: str = "tiny"  # local dir, hub id or Qwen name; tiny, tiny-weak, tiny-scratch (BC)
+    # rollout generation: transformers generate, its continuous batching, or vLLM (GPU)
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
-    """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
 
-    # Advantage estimator and implicit PRM: the method and the baselines it is compared against.
+    # Advantage estimator and implicit PRM: istar (Eqs. 1-6 on the --estimator baseline), or the
+    # plain rloo / grpo baselines
     advantage: Literal["istar", "rloo", "grpo"] = "istar"
-    """istar (Eqs. 1-6 on the --estimator baseline), or the plain rloo / grpo baselines"""
-    estimator: Literal["rloo", "grpo"] = "rloo"
-    """iStar's group baseline: rloo (leave-one-out, main results) or grpo (Eqs. 3-4)"""
-    step_weight: float = 1.0
-    """alpha, weight of the step advantage (Eq. 5); 0 gives the --estimator baseline"""
-    beta: float = 0.05
-    """beta, scale of the implicit step reward (Eq. 1) and of the DPO logits (Eq. 2)"""
-    traj_agg: Literal["mean", "sum"] = "mean"
-    """DPO score of a trajectory: mean of its step rewards (code) or sum (Eq. 2 as written)"""
+    estimator: Literal["rloo", "grpo"] = "rloo"  # iStar's group baseline: rloo or grpo (Eqs. 3-4)
+    step_weight: float = 1.0  # alpha, weight of the step advantage (Eq. 5); 0: --estimator alone
+    beta: float = 0.05  # beta, scale of the implicit step reward (Eq. 1) and DPO logits (Eq. 2)
+    traj_agg: Literal["mean", "sum"] = "mean"  # DPO trajectory score: mean r_t (code), sum (Eq. 2)
+    # r_t in the advantage: max_abs divides by the batch's max |r| + 1e-6 (the code's); none: raw
     step_reward_scale: Literal["max_abs", "none"] = "max_abs"
-    """divide step rewards by the batch's max |r| + 1e-6 (the code's), or none"""
-    success_reward: float = 10.0
-    """outcome r_o of a won episode (a lost one gets 0; the code's 10)"""
-    use_std: bool = False
-    """GRPO also divides by the group's std (the paper's); off: the mean only (the code's)"""
-    prm_learning_rate: float = 5e-4
-    """AdamW learning rate of the PRM's LoRA weights, one DPO step per iteration"""
-    prm_max_grad_norm: float = 10.0
-    """gradient-norm clip of the PRM's step (the code's 10)"""
-    invalid_action_penalty: float = 0.01
-    """subtracted from the final advantage of every malformed reply"""
+    success_reward: float = 10.0  # outcome r_o of a won episode (a lost one gets 0; the code's 10)
+    use_std: bool = False  # GRPO divides by the group std (the paper); off: the mean (the code)
+    prm_learning_rate: float = 5e-4  # PRM's AdamW learning rate (LoRA), one DPO step per iteration
+    prm_max_grad_norm: float = 10.0  # gradient-norm clip of the PRM's step (the code's 10)
+    invalid_action_penalty: float = 0.01  # subtracted from a malformed reply's advantage
 
     # RL
-    iterations: int = 8
-    """training iterations; 0 = behavior cloning and the start evaluation only"""
-    tasks_per_iteration: int = 4
-    """training tasks per iteration, each played --group-size times"""
-    group_size: int = 8
-    """N trajectories per task (a group); with 1 there is no baseline and no DPO pair"""
-    max_episode_steps: int = 30
-    """step limit of a game"""
-    learning_rate: float = 2.5e-4
-    """AdamW learning rate of the policy's LoRA weights"""
-    weight_decay: float = 0.0
-    """AdamW weight decay of the RL update"""
-    clip_eps: float = 0.2
-    """PPO clip range epsilon of the ratio (Eq. 6)"""
-    clip_ratio_c: float | None = None
-    """dual-clip bound c > 1: for A < 0 the loss is at most -c * A (off by default)"""
-    kl_coef: float = 0.0
-    """weight of a k3 KL penalty to the reference; 0, as the paper, skips the reference pass"""
-    entropy_coef: float = 0.0
-    """weight of the entropy bonus"""
-    ppo_epochs: int = 1
-    """passes over an iteration's step samples"""
-    minibatch_size: int = 256
-    """step samples per optimizer step"""
-    micro_batch_size: int = 16
-    """step samples per forward pass"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip of every optimizer step"""
-    rollout_temperature: float = 1.0
-    """sampling temperature of training rollouts (PPO scores under the same)"""
-    eval_top_p: float = 1.0
-    """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
-    max_new_tokens: int = 12
-    """response length limit"""
-    history_length: int = 1
-    """past (observation, action) pairs shown in the prompt"""
-    reasoning: bool = False
-    """ask for <think> reasoning before the action"""
+    iterations: int = 8  # training iterations; 0 = behavior cloning and the start evaluation
+    tasks_per_iteration: int = 4  # training tasks per iteration, each played --group-size times
+    group_size: int = 8  # N trajectories per task (a group); 1: no baseline and no DPO pair
+    max_episode_steps: int = 30  # step limit of a game
+    learning_rate: float = 2.5e-4  # AdamW learning rate of the policy's LoRA weights
+    weight_decay: float = 0.0  # AdamW weight decay of the RL update
+    clip_eps: float = 0.2  # PPO clip range epsilon of the ratio (Eq. 6)
+    clip_ratio_c: float | None = None  # dual clip c > 1: for A < 0 the loss is at most -c * A
+    kl_coef: float = 0.0  # k3 KL penalty to the reference; 0, as the paper: no reference pass
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    ppo_epochs: int = 1  # passes over an iteration's step samples
+    minibatch_size: int = 256  # step samples per optimizer step
+    micro_batch_size: int = 16  # step samples per forward pass
+    max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
+    rollout_temperature: float = 1.0  # sampling temperature of training rollouts and of PPO
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    max_new_tokens: int = 12  # response length limit
+    history_length: int = 1  # past (observation, action) pairs shown in the prompt
+    reasoning: bool = False  # ask for <think> reasoning before the action
 
     # LoRA
-    lora_r: int = 16
-    """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
-    lora_alpha: int = 32
-    """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
+    lora_r: int = 16  # LoRA rank of the RL adapter (and of BC without --bc-full-params)
+    lora_alpha: int = 32  # LoRA alpha (the update is scaled by alpha / r)
+    lora_dropout: float = 0.0  # dropout on the LoRA input
+    lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear
 
     # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
-    bc_epochs: int = 0
-    """epochs of behavior cloning on expert demonstrations before RL; 0 skips it"""
-    bc_full_params: bool = True
-    """train every weight during BC instead of a LoRA adapter"""
-    bc_num_tasks: int = 400
-    """training tasks the expert plays for BC demonstrations"""
-    bc_noise: float = 0.2
-    """share of demonstration steps that execute a mistake (the label stays the expert's)"""
-    bc_prompt_loss_weight: float = 1.0
-    """weight of the prompt tokens' next-token loss in BC (see bc_loss)"""
-    bc_learning_rate: float = 2e-3
-    """AdamW learning rate of behavior cloning"""
-    bc_batch_size: int = 8
-    """demonstration steps per BC update"""
+    bc_epochs: int = 0  # epochs of behavior cloning on expert demonstrations; 0 skips it
+    bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
+    bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
+    bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
+    bc_batch_size: int = 8  # demonstration steps per BC update
 
     # Evaluation
-    eval_splits: tuple[str, ...] = ("test",)
-    """splits to evaluate on, the first is the headline"""
-    eval_every: int = 8
-    """iterations between evaluations, besides iteration 0 and the last"""
-    eval_num_tasks: int = 200
-    """first tasks of each split to evaluate; 0 = the whole split"""
-    eval_temperature: float = 0.4
-    """sampling temperature of evaluation (the papers' 0.4; 0 is greedy)"""
-    save_every: int = 10
-    """iterations between checkpoints (the last iteration is always saved)"""
+    eval_splits: tuple[str, ...] = ("test",)  # splits to evaluate on, the first is the headline
+    eval_every: int = 8  # iterations between evaluations, besides iteration 0 and the last
+    eval_num_tasks: int = 200  # first tasks of each split to evaluate; 0 = the whole split
+    eval_temperature: float = 0.4  # sampling temperature of evaluation (the papers'; 0: greedy)
+    save_every: int = 10  # iterations between checkpoints (the last iteration is always saved)
 
 
 PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
@@ -641,9 +586,8 @@ PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, e
                  gradient_checkpointing=True, max_new_tokens=512, history_length=2,
                  reasoning=True, bc_epochs=0, bc_full_params=False, bc_prompt_loss_weight=0.0,
                  bc_learning_rate=1e-4, bc_batch_size=16, eval_every=5, eval_num_tasks=0),
-    # --advantage rloo / grpo, by --model (tiny and tiny-scratch: "tiny"): the code runs the
-    # baselines at twice iStar's policy rate (run_webshop.sh: 1e-6, iStar 5e-7), and a control
-    # `--step-weight 0` keeps iStar's rates. Plain GRPO divides by the std (veRL's, proxmo.py's).
+    # --advantage rloo / grpo by --model (tiny-scratch: "tiny"): twice iStar's policy rate, as the
+    # code (docs/istar.md; --step-weight 0 keeps iStar's); plain GRPO divides by the std (veRL's).
     "tiny baseline": dict(learning_rate=5e-4, use_std=True),
     "real baseline": dict(learning_rate=1e-5, use_std=True),
 }
@@ -661,11 +605,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
-    probability args.bc_noise a mistake is executed instead (see _perturb).
+    probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (raw observation = anchor text), "admissible" (the actions the prompt
+    None), "state" (the observation it saw), "admissible" (the actions the prompt
     listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
     from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
     "label"}]}.
@@ -688,11 +632,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
         with timer("generation"):
             if expert:
                 responses = logprobs = [None] * len(active)
-                # An expert that gave up (label None) only looks around; BC skips those steps.
-                labels = [games[i].expert_action() for i in active]
-                commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise,
-                                     expert_rng) if label is not None else "look"
-                            for i, label in zip(active, labels)]
+                demos = [envs.noisy_expert(games[i], trajs[i]["history"], args.bc_noise,
+                                           expert_rng) for i in active]
+                labels = [label for label, _ in demos]  # None: BC skips the step
+                commands = [command for _, command in demos]
                 well_formed = has_action = [True] * len(active)
             else:
                 responses, logprobs = policy.generate(prompts, temperature, top_p)
@@ -724,50 +667,18 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     return trajs
 
 
-def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
-    """The command a noisy expert executes: its own with probability 1 - noise; else, half the
-    time, the previous command again (the typical mistake, usually answered "Nothing happens."),
-    and otherwise a random admissible one."""
-    if rng.random() >= noise:
-        return label
-    if history and rng.random() < 0.5:
-        return history[-1][1]
-    return rng.choice(game.admissible_actions())
-
-
 # ---- 6. Behavior cloning on expert trajectories -------------------------------------------------
-def expert_response(action: str, reasoning: bool) -> str:
-    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
-            else f"<action>{action}</action>")
-
-
 def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
             prompt_weight: float = 0.0) -> tuple[Tensor, Tensor]:
     """(loss, response_loss): mean cross-entropy of the response tokens, plus prompt_weight times
-    the mean next-token cross-entropy of the prompt tokens ("train on inputs").
-
-    Why the prompt term: the prompts are full of repeats (the admissible actions name what the
-    observations saw), so predicting them teaches a randomly initialised model to copy from its
-    context, which the actions need, in far fewer updates. A pretrained model needs no such help
-    (prompt_weight 0: only the response logits are computed)."""
+    the mean next-token cross-entropy of the prompt tokens ("train on inputs": it teaches a
+    randomly initialised model to copy from its context, which the actions need; prompt_weight
+    0, for a pretrained model: only the response logits are computed)."""
     if prompt_weight == 0:
         logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
         response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
         return response_loss, response_loss
-    device = next(model.parameters()).device
-    input_ids, attention, position_ids, _, response_mask = (
-        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False).logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
-                                            reduction="none")
-    # (B, L-1): the target and its context are real tokens
-    valid = (attention[:, 1:] * attention[:, :-1]).float()
-    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
-    # nll[:, P-1:].
-    split = input_ids.shape[1] - response_mask.shape[1] - 1
-    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
-    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
+    response_loss, prompt_loss = next_token_losses(model, prompts, responses, pad_id)
     return response_loss + prompt_weight * prompt_loss, response_loss
 
 
@@ -775,6 +686,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     """SFT on the env expert's trajectories: cross-entropy on the response tokens (plus, with
     --bc-prompt-loss-weight, on the prompt tokens; see bc_loss). Trains the parameters of `model`
     that require grad (a LoRA adapter, or all of them) in place."""
+    t0 = time.time()
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
     demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
@@ -819,7 +731,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             loss_value = response_loss.item()
             progress.update(1, loss=loss_value)
     progress.close()
-    return {"bc/loss": loss_value, "bc/steps": len(samples),
+    return {"bc/loss": loss_value, "bc/steps": len(samples), "bc/seconds": time.time() - t0,
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
@@ -829,9 +741,7 @@ def clone_start(args: Args, run: Run, model, tokenizer, train_tasks: list):
     if not args.bc_full_params:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
                          args.lora_target_modules)
-    t0 = time.time()
     stats = behavior_cloning(args, model, tokenizer, train_tasks)
-    stats["bc/seconds"] = time.time() - t0
     if not args.bc_full_params:
         model = merge_lora(model)
     model.requires_grad_(False)
@@ -881,51 +791,39 @@ class StepSample(NamedTuple):
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSample],
                   generator: torch.Generator, iteration: int) -> dict:
-    """PPO over the step samples: the old log-probs recorded at sampling time, else scored here,
-    and the reference log-probs first, then `ppo_epochs` passes of shuffled mini-batches with
-    gradient accumulation.
-
-    With several processes, `samples` is this process's share, in process order, of one batch:
-    the mini-batches are drawn from the whole batch exactly as one process would draw them, each
-    process computes the gradient of its members, and the sum over processes is the update."""
+    """PPO over the step samples: old log-probs (recorded when sampled, else scored here) and
+    reference log-probs first, then `ppo_epochs` passes of shuffled mini-batches. Data parallel:
+    `samples` is this process's share of the batch, in process order; the mini-batches are drawn
+    as one process would draw them, and the update is the sum of every process's gradients."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
-    lengths = [len(s.prompt) + len(s.response) for s in samples]
-
-    def logprobs_no_grad(reference: bool) -> list[Tensor]:
-        out: list[Tensor] = [torch.empty(0)] * len(samples)
-        with torch.no_grad():
-            for idx in length_sorted_chunks(list(range(len(samples))), lengths, mb):
-                prompts = [samples[i].prompt for i in idx]
-                responses = [samples[i].response for i in idx]
-                with model.disable_adapter() if reference else contextlib.nullcontext():
-                    lp, _, _ = response_logprobs(model, prompts, responses, pad,
-                                                 temperature=temperature)
-                for row, i in zip(lp, idx):
-                    out[i] = row[:len(samples[i].response)]
-        return out
-
+    prompts = [s.prompt for s in samples]
+    responses = [s.response for s in samples]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     model.eval()  # no dropout when scoring the rollout policy
     with timer("old_logprobs"):
         if all(s.old_logprobs is not None for s in samples):
             old_logp = [torch.tensor(s.old_logprobs) for s in samples]
         else:
-            old_logp = logprobs_no_grad(False)
+            old_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
     with timer("ref_logprobs"):
-        ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
+        ref_logp = old_logp
+        if args.kl_coef > 0:
+            with model.disable_adapter():  # the reference: the start
+                ref_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
-    response_lengths = [len(s.response) for s in samples]
+    response_lengths = [len(r) for r in responses]
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
         # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
         for idx in length_sorted_chunks(mini.mine, lengths, mb):
             logp, mask, entropy = response_logprobs(
-                model, [samples[i].prompt for i in idx], [samples[i].response for i in idx], pad,
+                model, [prompts[i] for i in idx], [responses[i] for i in idx], pad,
                 with_entropy=args.entropy_coef > 0, temperature=temperature)
             mask = mask.to(device)
             old = pad_rows([old_logp[i] for i in idx], logp.shape[1]).to(device)
@@ -956,6 +854,27 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     return {f"train/{k}": v for k, v in means.items()}
 
 
+def batch_stats(args: Args, batch: list[dict], advantages: list[Tensor]) -> dict:
+    """What the log shows of an iteration's batch (every process's summaries, with their
+    advantages); with iStar, also its step rewards and the step term's shares of |A|."""
+    abs_advantages = [abs(float(a)) for adv in advantages for a in adv]
+    steps = [s for tr in batch for s in tr["steps"]]
+    stats = {"rollout/success": float(np.mean([t["won"] for t in batch])),
+             "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+             "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
+             "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+             "rollout/step_samples": len(steps),
+             "train/advantage_abs_mean": float(np.mean(abs_advantages))}
+    if args.advantage == "istar":
+        rewards = [r for tr in batch for r in tr["step_rewards"]]
+        stats.update({"prm/step_reward_mean": float(np.mean(rewards)),
+                      "prm/step_reward_abs_max": float(np.max(np.abs(rewards)))})
+        shares = step_term_shares(istar_step_terms(args, batch), advantages,
+                                  [t["won"] for t in batch], [t["group"] for t in batch])
+        stats.update({f"credit/{k}": v for k, v in shares.items() if not math.isnan(v)})
+    return stats
+
+
 def validate_args(args: Args) -> list[str]:
     """One line per nonsensical value; [] when all are usable (common/config.py)."""
     return config.errors(args, RANGES)
@@ -973,12 +892,10 @@ def parse_args(argv: list[str]) -> Args:
 
 def main(args: Args) -> dict:
     method = f"istar-{args.estimator}" if args.advantage == "istar" else args.advantage
-    dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
-                                                   method)
+    dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args), method)
     if args.group_size == 1:
-        print("warning: --group-size 1: a group of one has no baseline (its episode advantage is "
-              "its raw outcome) and no DPO pair: the PRM never learns, and its step rewards only "
-              "measure the policy's drift from the start", file=sys.stderr)
+        print("warning: --group-size 1: no baseline (an episode advantage is its raw outcome) "
+              "and no DPO pair (the PRM never learns)", file=sys.stderr)
 
     # Model: the start (--model, or cloned from the expert first), then RL's LoRA adapter.
     model, tokenizer = run.load_model()
@@ -987,23 +904,20 @@ def main(args: Args) -> dict:
     if args.bc_epochs > 0 and not args.resume:
         model = clone_start(args, run, model, tokenizer, train_tasks)
     start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
-    # The implicit PRM starts from the policy's start: a copy, before the policy's adapter.
-    prm = implicit_prm(args, run, model) if args.advantage == "istar" else None
+    prm, prm_optimizer = implicit_prm(args, run, model)  # a copy, before the policy's adapter
     if args.resume:
         model = load_lora(model, run.checkpoint)
     else:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
                          args.lora_target_modules)
     model.print_trainable_parameters()
-    prm_params = [p for p in prm.parameters() if p.requires_grad] if prm is not None else []
+    prm_params = list(prm.parameters()) if prm is not None else []
     same_start([*model.parameters(), *prm_params], args.seed)  # data parallel: process 0's weights
 
     engine = make_vllm_engine(start_path, args) if args.backend == "vllm" else None
     policy = Policy(args, model, tokenizer, engine)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=args.learning_rate, weight_decay=args.weight_decay)
-    prm_optimizer = (torch.optim.AdamW(prm_params, lr=args.prm_learning_rate, weight_decay=0.0)
-                     if prm is not None else None)
     generator = torch.Generator().manual_seed(args.seed)
     task_rng = random.Random(args.seed)
     start_iteration, history = run.restore(optimizer=optimizer, prm_optimizer=prm_optimizer,
@@ -1033,62 +947,31 @@ def main(args: Args) -> dict:
         groups = [g for g in my_groups for _ in range(args.group_size)]
         trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
         rollout_seconds = time.time() - t0
-        # (3, 4) Eq. 1: old log-probs, the PRM's, and the step rewards of the PRM as it is before
-        # this iteration's DPO step. The old log-probs come from a forward pass like the PRM's.
-        my_steps = [(s["prompt"], s["response_ids"]) for tr in trajs for s in tr["steps"]]
-        if prm is not None:
-            with timer("old_logprobs"):
-                old_logp = score_responses(model, tokenizer, my_steps, args.micro_batch_size,
-                                           args.rollout_temperature)
-            with timer("prm_logprobs"):
-                prm_logp = score_responses(prm, tokenizer, my_steps, args.micro_batch_size,
-                                           args.rollout_temperature)
-            step_rewards = step_rewards_per_trajectory(trajs, prm_logp, old_logp, args.beta)
-            for tr, rewards in zip(trajs, step_rewards, strict=True):
-                tr["step_rewards"] = rewards
-        else:  # the baselines: no step rewards; the log-probs recorded at sampling are the old
-            old_logp = [s["logprobs"] for tr in trajs for s in tr["steps"]]
-        # (6, 7) advantages, one scalar per step, computed over the whole batch (the step rewards
-        # rescaled by the batch's max |r|); each process keeps those of its trajectories.
+        # (3, 4) Eq. 1: old log-probs and step rewards, from the PRM before its DPO step.
+        scored = score_rollouts(args, model, prm, tokenizer, trajs)
+        # (6, 7) advantages over the whole batch (r_t over its max |r|); each process keeps its own
         with timer("advantages"):
             batch = gather_object([summarize(t) for t in trajs])
             first = my_groups.start * args.group_size
             batch_advantages = compute_advantages(args, batch)
             advantages = batch_advantages[first:first + len(trajs)]
-        # (5) Eq. 2: one DPO step of the PRM on the batch's won-lost pairs, with the raw rewards
-        # (after they were read: the order of steps 4 and 5 is Algorithm 1's).
         prm_stats = {}
-        if prm is not None:
+        if prm is not None:  # (5) Eq. 2: the PRM's DPO step on the won-lost pairs, after (4)
             with timer("prm_update"):
-                prm_stats = prm_update(args, prm, tokenizer, prm_optimizer, batch,
-                                       [(p, r, lp) for (p, r), lp in zip(my_steps, old_logp)],
+                prm_stats = prm_update(args, prm, tokenizer, prm_optimizer, batch, scored,
                                        range(first, first + len(trajs)), iteration)
         my_advantages = [float(a) for adv in advantages for a in adv]
-        samples = [StepSample(p, r, a, lp.tolist() if isinstance(lp, Tensor) else lp)  # lists
-                   for (p, r), a, lp in zip(my_steps, my_advantages, old_logp, strict=True)]
+        samples = [StepSample(p, r, a, lp) for (p, r, lp), a in zip(scored, my_advantages)]
         # (8, 9) the clipped policy-gradient update (Eq. 6); the next rollouts are pi_old's.
         policy.sleep()  # --vllm-sleep: the engine's memory to the update
         with timer("update"):  # less the scoring passes, timed inside it
             stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
         n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
-        abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
-        stats.update(prm_stats)
-        if prm is not None:
-            stats.update(step_reward_stats(args, batch, batch_advantages))
-        steps = [s for tr in batch for s in tr["steps"]]
-        stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
-                      "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
-                      "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
-                      "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
-                      "rollout/step_samples": len(steps),
+        stats.update({**prm_stats, **batch_stats(args, batch, batch_advantages),
                       "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
                       "time/rollout_seconds": rollout_seconds,
-                      "time/iteration_seconds": time.time() - t0,
-                      "train/advantage_abs_mean": float(np.mean(abs_advantages))})
-        # Where the iteration's time went: prompts, generation, env, old_logprobs (iStar's pass,
-        # or the policy update's), prm_logprobs, advantages, prm_update, and the policy update's
-        # ref_logprobs and update; the main process's times.
-        stats.update(timings())  # each timer("x") above as time/x_seconds
+                      "time/iteration_seconds": time.time() - t0})
+        stats.update(timings())  # where the time went: each timer("x") above as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],

@@ -17,16 +17,12 @@ Run:
     python proxmo.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the paper's
     accelerate launch --multi_gpu --num_processes 8 proxmo.py --env alfworld ...  # data parallel
 
-The household's oracle (`--advantage oracle`, section 2) is an instrument, not a method: the
-expert's progress per step as step credit, the ceiling of what step credit can do on this testbed.
-
 Sections: 1 ProxMO advantages, 2 GRPO/GiGPO baselines and the oracle, 3 policy loss, 4 arguments,
 5 rollouts, 6 behavior cloning, 7 evaluation, 8 training loop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
@@ -39,9 +35,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
-# longer on 2 idle cores, half as long next to one busy process (docs/performance.md, "The
-# default run"). An OMP_WAIT_POLICY of your own wins.
+# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
+# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
@@ -56,11 +51,11 @@ from common.dist import (mean_across_processes, minibatches, process_share, same
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
-                          pad_prompt_response, pad_rows, response_logprobs)
+                          next_token_losses, pad_rows, response_logprobs, scored_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, start_run, timer, timings
 from envs.household import label_progress
-from envs.text import encode_prompt, is_well_formed, parse_action
+from envs.text import encode_prompt, expert_response, is_well_formed, parse_action
 
 
 # ---- 1. ProxMO advantages (pure functions, float64, no grad) ------------------------------------
@@ -228,29 +223,24 @@ def gigpo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], states:
     return [episode[i] + omega * step[i] for i in range(len(step_rewards))]
 
 
-# The oracle is an instrument, not a method: the household's expert knows how many steps each
-# state is from a win (envs.household.steps_to_go), which no real benchmark tells. Its progress
-# as step credit is the ceiling of step credit on this testbed: what a method's credit could
-# give at best, on the same protocol. `--advantage oracle`: GRPO's episode term plus omega times
-# the z-scored progress; `--advantage oracle-step`: the z-scored progress alone.
+# The oracle: the household's expert knows how many steps each state is from a win, which no
+# real benchmark tells; its progress as step credit is the ceiling of step credit here
+# (docs/learning.md). oracle: GRPO's episode term + omega * z-scored progress; oracle-step: the
+# z-scored progress alone.
 ORACLES = ("oracle", "oracle-step")
 
 
 def oracle_step_advantages(progress: list[Tensor], eps: float = 1e-6) -> list[Tensor]:
     """progress[i] (T_i,) of every trajectory of a batch -> (T_i,) per trajectory: the progress
     z-scored over all the batch's steps (group_zscore: population std; all equal -> zeros).
-
-    A step's progress is steps_to_go before it minus steps_to_go after it (+1 for an expert step,
-    0 for a detour, negative for a step to undo; envs.household.label_progress). Progress
-    telescopes: a loop earns 0 in all. Centred, a step without progress earns -mean / std: with
-    the batch's mean progress above 0, as on the household, every looping step costs."""
+    A step's progress: +1 for an expert step, 0 for a detour, negative for a step to undo
+    (envs.household.label_progress); centred, a step without progress costs."""
     flat = torch.cat([p.to(torch.float64) for p in progress])
     return list(torch.split(group_zscore(flat, eps), [len(p) for p in progress]))
 
 
 def label_oracle_progress(args: Args, trajectories: list[dict], tasks: list) -> None:
-    """Adds "progress" (a list of T_i ints) to each trajectory: its commands replayed in a fresh
-    game of its task (household only: the oracle needs the expert's distance)."""
+    """Adds "progress" (T_i ints) to each trajectory: its commands replayed in its task's game."""
     for traj, task in zip(trajectories, tasks):
         actions = [s["action"] for s in traj["steps"]]
         seen = [s["next_state"] for s in traj["steps"]]
@@ -266,10 +256,8 @@ def summarize(traj: dict) -> dict:
 
 def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
     """Per-step advantages (T_i,) of every trajectory of a batch with the chosen estimator (the
-    oracles read each trajectory's "progress"), then the one penalty rule of every estimator:
-    --invalid-action-penalty is subtracted from the final advantage of each malformed reply,
-    after every normalisation and baseline, so that it moves that step's advantage by exactly
-    the penalty and nothing else."""
+    oracles read each trajectory's "progress"); then every estimator's one penalty rule: the
+    --invalid-action-penalty comes off each malformed reply's final advantage, exactly."""
     outcomes = [float(t["won"]) for t in trajectories]
     rewards = [torch.tensor(t["rewards"], dtype=torch.float64) for t in trajectories]
     states = [[s["state"] for s in t["steps"]] for t in trajectories]
@@ -351,121 +339,72 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 class Args(HarnessArgs):
     """ProxMO (and the GRPO / GiGPO baselines) for multi-turn LLM agents.
 
-    The defaults --help shows are those a run takes for the --model, --env and --advantage
-    given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
-    other (real) model; the machine and the env set the device (cuda when there is one), the
-    evaluation splits and the env workers (envs/__init__.py). Where and how the run goes (device,
-    run directory, W&B, vLLM, data parallel): HarnessArgs, common/config.py."""
+    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
+    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
+    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
 
-    exp_name: str = "proxmo"
-    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
-    seed: int = 1
-    """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
+    exp_name: str = "proxmo"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
+    seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
+    # household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)
     env: Literal["household", "alfworld"] = "household"
-    """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
-    model: str = "tiny"
-    """a local directory, hub id or Qwen name; tiny, tiny-weak (shipped), tiny-scratch (BC)"""
+    model: str = "tiny"  # local dir, hub id or Qwen name; tiny, tiny-weak, tiny-scratch (BC)
+    # rollout generation: transformers generate, its continuous batching, or vLLM (GPU)
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
-    """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
 
-    # Advantage estimator: the method and the baselines it is compared against.
+    # Advantage estimator: proxmo (Eqs. 5-12), the baselines grpo and gigpo, or the household's
+    # oracle (section 2: an instrument)
     advantage: Literal["proxmo", "grpo", "gigpo", "oracle", "oracle-step"] = "proxmo"
-    """proxmo (Eqs. 5-12), grpo, gigpo, or the household's oracle (section 2: an instrument)"""
-    psc_alpha: float = 4.0
-    """alpha, steepness of the success-rate modulation (Eq. 6)"""
-    psc_beta: float = 0.1
-    """beta, strength of the success-rate modulation (Eq. 6); 0 gives GRPO's episode term"""
-    proximity_temperature: float = 0.1
-    """tau of the softmax over TF-IDF similarities (Eq. 10)"""
-    gamma: float = 0.95
-    """discount of step returns (Eq. 8)"""
-    step_weight: float = 1.0
-    """omega, weight of the step term (Eq. 12; GiGPO's, the oracle's); 0, --psc-beta 0: GRPO"""
-    use_std: bool = True
-    """divide episode (and GiGPO anchor) advantages by the group std; off: the mean only"""
-    tfidf_max_features: int = 1024
-    """vocabulary size of the TF-IDF over observation texts (Eq. 9)"""
-    invalid_action_penalty: float = 0.01
-    """subtracted from the final advantage of every malformed reply"""
+    psc_alpha: float = 4.0  # alpha, steepness of the success-rate modulation (Eq. 6)
+    psc_beta: float = 0.1  # beta, strength of that modulation (Eq. 6); 0: GRPO's episode term
+    proximity_temperature: float = 0.1  # tau of the softmax over TF-IDF similarities (Eq. 10)
+    gamma: float = 0.95  # discount of step returns (Eq. 8)
+    step_weight: float = 1.0  # omega, weight of the step term (Eq. 12; GiGPO's, the oracle's)
+    use_std: bool = True  # divide episode (and GiGPO anchor) advantages by the group std
+    tfidf_max_features: int = 1024  # vocabulary size of the TF-IDF over observations (Eq. 9)
+    invalid_action_penalty: float = 0.01  # subtracted from a malformed reply's advantage
 
     # RL
-    iterations: int = 8
-    """training iterations; 0 = behavior cloning and the start evaluation only"""
-    tasks_per_iteration: int = 4
-    """training tasks per iteration, each played --group-size times"""
-    group_size: int = 8
-    """N trajectories per task (a group); 1 makes every episode advantage 0"""
-    max_episode_steps: int = 30
-    """step limit of a game"""
-    learning_rate: float = 5e-4
-    """AdamW learning rate of the LoRA weights"""
-    weight_decay: float = 0.0
-    """AdamW weight decay of the RL update"""
-    clip_eps: float = 0.2
-    """PPO clip range epsilon of the ratio (Eq. 13)"""
-    clip_ratio_c: float | None = None
-    """dual-clip bound c > 1: for A < 0 the loss is at most -c * A (off by default)"""
-    kl_coef: float = 0.01
-    """weight of the k3 KL penalty to the reference (the start: adapter off); 0: no reference"""
-    entropy_coef: float = 0.0
-    """weight of the entropy bonus"""
-    ppo_epochs: int = 1
-    """passes over an iteration's step samples"""
-    minibatch_size: int = 256
-    """step samples per optimizer step"""
-    micro_batch_size: int = 16
-    """step samples per forward pass"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip of every optimizer step"""
-    rollout_temperature: float = 1.0
-    """sampling temperature of training rollouts (PPO scores under the same)"""
-    eval_top_p: float = 1.0
-    """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
-    max_new_tokens: int = 12
-    """response length limit"""
-    history_length: int = 1
-    """past (observation, action) pairs shown in the prompt"""
-    reasoning: bool = False
-    """ask for <think> reasoning before the action"""
+    iterations: int = 8  # training iterations; 0 = behavior cloning and the start evaluation
+    tasks_per_iteration: int = 4  # training tasks per iteration, each played --group-size times
+    group_size: int = 8  # N trajectories per task (a group); 1 makes every episode advantage 0
+    max_episode_steps: int = 30  # step limit of a game
+    learning_rate: float = 5e-4  # AdamW learning rate of the LoRA weights
+    weight_decay: float = 0.0  # AdamW weight decay of the RL update
+    clip_eps: float = 0.2  # PPO clip range epsilon of the ratio (Eq. 13)
+    clip_ratio_c: float | None = None  # dual clip c > 1: for A < 0 the loss is at most -c * A
+    kl_coef: float = 0.01  # k3 KL penalty to the reference (the start: adapter off); 0: none
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    ppo_epochs: int = 1  # passes over an iteration's step samples
+    minibatch_size: int = 256  # step samples per optimizer step
+    micro_batch_size: int = 16  # step samples per forward pass
+    max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
+    rollout_temperature: float = 1.0  # sampling temperature of training rollouts and of PPO
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    max_new_tokens: int = 12  # response length limit
+    history_length: int = 1  # past (observation, action) pairs shown in the prompt
+    reasoning: bool = False  # ask for <think> reasoning before the action
 
     # LoRA
-    lora_r: int = 16
-    """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
-    lora_alpha: int = 32
-    """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
+    lora_r: int = 16  # LoRA rank of the RL adapter (and of BC without --bc-full-params)
+    lora_alpha: int = 32  # LoRA alpha (the update is scaled by alpha / r)
+    lora_dropout: float = 0.0  # dropout on the LoRA input
+    lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear
 
     # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
-    bc_epochs: int = 0
-    """epochs of behavior cloning on expert demonstrations before RL; 0 skips it"""
-    bc_full_params: bool = True
-    """train every weight during BC instead of a LoRA adapter"""
-    bc_num_tasks: int = 400
-    """training tasks the expert plays for BC demonstrations"""
-    bc_noise: float = 0.2
-    """share of demonstration steps that execute a mistake (the label stays the expert's)"""
-    bc_prompt_loss_weight: float = 1.0
-    """weight of the prompt tokens' next-token loss in BC (see bc_loss)"""
-    bc_learning_rate: float = 2e-3
-    """AdamW learning rate of behavior cloning"""
-    bc_batch_size: int = 8
-    """demonstration steps per BC update"""
+    bc_epochs: int = 0  # epochs of behavior cloning on expert demonstrations; 0 skips it
+    bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
+    bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
+    bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
+    bc_batch_size: int = 8  # demonstration steps per BC update
 
     # Evaluation
-    eval_splits: tuple[str, ...] = ("test",)
-    """splits to evaluate on, the first is the headline"""
-    eval_every: int = 8
-    """iterations between evaluations, besides iteration 0 and the last"""
-    eval_num_tasks: int = 200
-    """first tasks of each split to evaluate; 0 = the whole split"""
-    eval_temperature: float = 0.4
-    """sampling temperature of evaluation (the papers' 0.4; 0 is greedy)"""
-    save_every: int = 10
-    """iterations between checkpoints (the last iteration is always saved)"""
-
+    eval_splits: tuple[str, ...] = ("test",)  # splits to evaluate on, the first is the headline
+    eval_every: int = 8  # iterations between evaluations, besides iteration 0 and the last
+    eval_num_tasks: int = 200  # first tasks of each split to evaluate; 0 = the whole split
+    eval_temperature: float = 0.4  # sampling temperature of evaluation (the papers'; 0: greedy)
+    save_every: int = 10  # iterations between checkpoints (the last iteration is always saved)
 
 PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
     "tiny-scratch": dict(bc_epochs=3),
@@ -489,11 +428,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
-    probability args.bc_noise a mistake is executed instead (see _perturb).
+    probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (raw observation = anchor text), "admissible" (the actions the prompt
+    None), "state" (the observation it saw), "admissible" (the actions the prompt
     listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
     from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
     "label"}]}.
@@ -516,11 +455,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
         with timer("generation"):
             if expert:
                 responses = logprobs = [None] * len(active)
-                # An expert that gave up (label None) only looks around; BC skips those steps.
-                labels = [games[i].expert_action() for i in active]
-                commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise,
-                                     expert_rng) if label is not None else "look"
-                            for i, label in zip(active, labels)]
+                demos = [envs.noisy_expert(games[i], trajs[i]["history"], args.bc_noise,
+                                           expert_rng) for i in active]
+                labels = [label for label, _ in demos]  # None: BC skips the step
+                commands = [command for _, command in demos]
                 well_formed = has_action = [True] * len(active)
             else:
                 responses, logprobs = policy.generate(prompts, temperature, top_p)
@@ -552,50 +490,18 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     return trajs
 
 
-def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
-    """The command a noisy expert executes: its own with probability 1 - noise; else, half the
-    time, the previous command again (the typical mistake, usually answered "Nothing happens."),
-    and otherwise a random admissible one."""
-    if rng.random() >= noise:
-        return label
-    if history and rng.random() < 0.5:
-        return history[-1][1]
-    return rng.choice(game.admissible_actions())
-
-
 # ---- 6. Behavior cloning on expert trajectories -------------------------------------------------
-def expert_response(action: str, reasoning: bool) -> str:
-    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
-            else f"<action>{action}</action>")
-
-
 def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
             prompt_weight: float = 0.0) -> tuple[Tensor, Tensor]:
     """(loss, response_loss): mean cross-entropy of the response tokens, plus prompt_weight times
-    the mean next-token cross-entropy of the prompt tokens ("train on inputs").
-
-    Why the prompt term: the prompts are full of repeats (the admissible actions name what the
-    observations saw), so predicting them teaches a randomly initialised model to copy from its
-    context, which the actions need, in far fewer updates. A pretrained model needs no such help
-    (prompt_weight 0: only the response logits are computed)."""
+    the mean next-token cross-entropy of the prompt tokens ("train on inputs": it teaches a
+    randomly initialised model to copy from its context, which the actions need; prompt_weight
+    0, for a pretrained model: only the response logits are computed)."""
     if prompt_weight == 0:
         logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
         response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
         return response_loss, response_loss
-    device = next(model.parameters()).device
-    input_ids, attention, position_ids, _, response_mask = (
-        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False).logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
-                                            reduction="none")
-    # (B, L-1): the target and its context are real tokens
-    valid = (attention[:, 1:] * attention[:, :-1]).float()
-    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
-    # nll[:, P-1:].
-    split = input_ids.shape[1] - response_mask.shape[1] - 1
-    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
-    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
+    response_loss, prompt_loss = next_token_losses(model, prompts, responses, pad_id)
     return response_loss + prompt_weight * prompt_loss, response_loss
 
 
@@ -603,6 +509,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     """SFT on the env expert's trajectories: cross-entropy on the response tokens (plus, with
     --bc-prompt-loss-weight, on the prompt tokens; see bc_loss). Trains the parameters of `model`
     that require grad (a LoRA adapter, or all of them) in place."""
+    t0 = time.time()
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
     demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
@@ -647,7 +554,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             loss_value = response_loss.item()
             progress.update(1, loss=loss_value)
     progress.close()
-    return {"bc/loss": loss_value, "bc/steps": len(samples),
+    return {"bc/loss": loss_value, "bc/steps": len(samples), "bc/seconds": time.time() - t0,
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
@@ -657,9 +564,7 @@ def clone_start(args: Args, run: Run, model, tokenizer, train_tasks: list):
     if not args.bc_full_params:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
                          args.lora_target_modules)
-    t0 = time.time()
     stats = behavior_cloning(args, model, tokenizer, train_tasks)
-    stats["bc/seconds"] = time.time() - t0
     if not args.bc_full_params:
         model = merge_lora(model)
     model.requires_grad_(False)
@@ -709,51 +614,39 @@ class StepSample(NamedTuple):
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSample],
                   generator: torch.Generator, iteration: int) -> dict:
-    """PPO over the step samples: the old log-probs recorded at sampling time, else scored here,
-    and the reference log-probs first, then `ppo_epochs` passes of shuffled mini-batches with
-    gradient accumulation.
-
-    With several processes, `samples` is this process's share, in process order, of one batch:
-    the mini-batches are drawn from the whole batch exactly as one process would draw them, each
-    process computes the gradient of its members, and the sum over processes is the update."""
+    """PPO over the step samples: old log-probs (recorded when sampled, else scored here) and
+    reference log-probs first, then `ppo_epochs` passes of shuffled mini-batches. Data parallel:
+    `samples` is this process's share of the batch, in process order; the mini-batches are drawn
+    as one process would draw them, and the update is the sum of every process's gradients."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
-    lengths = [len(s.prompt) + len(s.response) for s in samples]
-
-    def logprobs_no_grad(reference: bool) -> list[Tensor]:
-        out: list[Tensor] = [torch.empty(0)] * len(samples)
-        with torch.no_grad():
-            for idx in length_sorted_chunks(list(range(len(samples))), lengths, mb):
-                prompts = [samples[i].prompt for i in idx]
-                responses = [samples[i].response for i in idx]
-                with model.disable_adapter() if reference else contextlib.nullcontext():
-                    lp, _, _ = response_logprobs(model, prompts, responses, pad,
-                                                 temperature=temperature)
-                for row, i in zip(lp, idx):
-                    out[i] = row[:len(samples[i].response)]
-        return out
-
+    prompts = [s.prompt for s in samples]
+    responses = [s.response for s in samples]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     model.eval()  # no dropout when scoring the rollout policy
     with timer("old_logprobs"):
         if all(s.old_logprobs is not None for s in samples):
             old_logp = [torch.tensor(s.old_logprobs) for s in samples]
         else:
-            old_logp = logprobs_no_grad(False)
+            old_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
     with timer("ref_logprobs"):
-        ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
+        ref_logp = old_logp
+        if args.kl_coef > 0:
+            with model.disable_adapter():  # the reference: the start
+                ref_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
-    response_lengths = [len(s.response) for s in samples]
+    response_lengths = [len(r) for r in responses]
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
         # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
         for idx in length_sorted_chunks(mini.mine, lengths, mb):
             logp, mask, entropy = response_logprobs(
-                model, [samples[i].prompt for i in idx], [samples[i].response for i in idx], pad,
+                model, [prompts[i] for i in idx], [responses[i] for i in idx], pad,
                 with_entropy=args.entropy_coef > 0, temperature=temperature)
             mask = mask.to(device)
             old = pad_rows([old_logp[i] for i in idx], logp.shape[1]).to(device)
@@ -884,9 +777,7 @@ def main(args: Args) -> dict:
                       "time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0,
                       "train/advantage_abs_mean": float(np.mean(abs_advantages))})
-        # Where the iteration's time went: prompts, generation, env, advantages, and the policy
-        # update's old_logprobs, ref_logprobs and update; the main process's times.
-        stats.update(timings())  # each timer("x") above as time/x_seconds
+        stats.update(timings())  # the main process's timer("x") blocks as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],

@@ -10,32 +10,20 @@ SPA turns the sparse outcome of an episode into a dense reward per step:
     it (Eqs. 9-10), here over the exploration rollouts themselves, one pass, as the released
     code does. The outcome itself enters the reward only through the c_t.
 
-Departures from the paper and its released code (spec: `Choice:`; in full: docs/spa.md,
-"Departures from the paper, in full"):
-  * PE: start weights, a fresh LoRA and Linear(H, 1) on the final-norm state (the code: full
-    fine-tuning, a head on the logits); --pe-head mlp: the paper's MLP; scores only the replies.
-  * PE training: AdamW, constant rate, no decay or warm-up, clip 1.0 (the code: lr 3e-6, warm-up,
-    decay 0.01); --pe-heldout tenth held out; rollouts over --pe-max-tokens read up to the limit.
-  * RL data: --rl-data explore (default, the code's), one pass over the exploration rollouts;
-    --rl-data online: fresh rollouts; --advantage ppo: the same rollouts, the sparse outcome.
-  * Grounding as a cost, beta * (g_t - 1): Eq. 8 less a constant per step, explore mode too (Eq. 8
-    pays for length); --grounding-form eq8 is Eq. 8 as written.
-  * Critic: zero-initialised value head on the policy, LoRA shared, own --value-learning-rate.
-  * KL to the reference in the step reward, fixed 0.01 as HISR's (the code adapts --kl-coef 0.3).
-  * One advantage per reply, whitened over the batch (population variance; the code: over tokens).
-  * g_t = 1 unless no <action> tag or "Nothing happens."; eval also logs the per-trajectory mean.
-  * Batch: the harness's, --minibatch-size steps, clip 1.0 (the code: 8 trajectories, one step
-    per epoch, no clip); real preset: 50-step limit (the code's ALFWorld: 40).
-  * Harness prompts, rollouts, BC (not ReAct); eval at 0.4 (the paper: --eval-temperature 0).
-  * --model tiny ships cloned (--bc-epochs 0); real models clone first (--bc-epochs 3, LoRA).
-  * Not built: micro-batching or checkpointing in PE training (lower --pe-batch-size).
+Where it departs from the paper or its released code (every departure, with the code's choice
+and why: docs/spa.md, "Departures from the paper, in full"):
+  * grounding as a cost, beta * (g_t - 1): Eq. 8 less a constant per step (--grounding-form eq8);
+  * PE: a fresh LoRA and Linear(H, 1) on the start's final-norm state (--pe-head mlp: an MLP);
+  * critic: a zero-initialised value head on the policy, LoRA shared, its own learning rate;
+  * the KL to the reference in the step reward, fixed at 0.01 (the code adapts it from 0.3);
+  * one advantage per reply, whitened over the batch; this project's prompts, BC and batches.
 
 Run:
     python spa.py                           # tiny model, built-in household, CPU, minutes
     python spa.py --advantage ppo           # the baseline: PPO on the sparse outcome, same data
     python spa.py --rl-data online          # RL on fresh rollouts of the current policy
-    python spa.py --grounding-weight 0      # the ablations: without grounding (or
-                                            # --progress-weight 0: without stepwise progress)
+    python spa.py --grounding-weight 0      # the paper's ablation without grounding
+    python spa.py --progress-weight 0       # the paper's ablation without stepwise progress
     python spa.py --env alfworld --model Qwen2.5-1.5B-Instruct --backend vllm   # the real run
 
 Sections: 1 SPA rewards and advantages, 2 progress estimator, 3 policy and value loss, 4 arguments,
@@ -55,9 +43,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
-# longer on 2 idle cores, half as long next to one busy process (docs/performance.md, "The
-# default run"). An OMP_WAIT_POLICY of your own wins.
+# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
+# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
@@ -72,10 +59,11 @@ from common.dist import (mean_across_processes, minibatches, process_share, same
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
-                          pad_prompt_response, pad_rows, response_logprobs)
+                          next_token_losses, pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, start_run, timer, timings
-from envs.text import PROMPT_INTRO, encode_prompt, is_well_formed, parse_action
+from envs.text import (PROMPT_INTRO, encode_prompt, expert_response, is_well_formed,
+                       parse_action)
 
 
 # ---- 1. SPA rewards and advantages (pure functions: lists or tensors in, no grad) ---------------
@@ -180,14 +168,13 @@ def whiten_pooled(advantages: list[Tensor]) -> list[Tensor]:
 def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gamma: float = 0.99,
                    lam: float = 0.95, normalize: bool = True,
                    kl_coef: float = 0.0) -> tuple[list[list[float]], list[list[float]]]:
-    """The whole batch: per trajectory fused_rewards (Eq. 8) then gae; with normalize, the
-    advantages are whitened pooled over every step of the batch and split back.
+    """The whole batch: per trajectory fused_rewards (Eq. 8) then gae; with normalize,
+    whiten_pooled over every step of the batch.
 
     batch[i] = {"contribs": (n_i,), "grounded": (n_i,), "values": (n_i,), optional "step_kl"
     (n_i,)}; other keys are ignored. step_kl is used only when kl_coef > 0 (an entry without it
-    gets no KL term). Returns (advantages per trajectory, un-whitened returns per trajectory),
-    lists of floats; an empty trajectory gives [] and stays out of the whitening; [] gives
-    ([], [])."""
+    gets no KL term). Returns (advantages, un-whitened returns) per trajectory, lists of floats;
+    an empty trajectory gives [] and stays out of the whitening; [] gives ([], [])."""
     advantages, returns = [], []
     for traj in batch:
         step_kl = traj.get("step_kl") if kl_coef > 0 else None
@@ -331,11 +318,14 @@ def explore(args: Args, policy: Policy, tasks: list) -> list[dict]:
     return trajs
 
 
-def exploration_tasks(args: Args, train_tasks: list) -> list:
+def exploration_tasks(args: Args, run: Run, train_tasks: list) -> list:
     """The training tasks the start policy explores (--explore-num-tasks, 0: all; drawn with seed
-    + 2): what the PE learns from when it is trained here, and with --rl-data explore what RL
-    trains on, SPA and PPO alike. [] when nothing is explored, or on --resume (explored before).
-    UsageError when --rl-data explore would have fewer batches than --iterations."""
+    + 2), for the PE trained here and for RL with --rl-data explore, SPA and PPO alike; [] when
+    nothing is explored, or on --resume (explored before). UsageError when --rl-data explore has
+    fewer batches than --iterations, or resumes a run without its EXPLORE_FILE."""
+    if args.resume and args.rl_data == "explore" and not os.path.isfile(run.file(EXPLORE_FILE)):
+        raise UsageError(f"--resume {args.resume}: no {EXPLORE_FILE} in it (the exploration "
+                         "rollouts --rl-data explore trains on)")
     n = min(args.explore_num_tasks or len(train_tasks), len(train_tasks))
     batch_size = args.tasks_per_iteration * args.group_size
     batches = n * args.explore_rollouts // batch_size
@@ -445,9 +435,9 @@ def score_progress(args: Args, pe, head, tokenizer, trajs: list[dict]) -> int:
     --pe-max-tokens is read up to the limit: its replies that close within it are scored, the
     later steps get 0. Returns how many were that long."""
     encoded = [encode_trajectory(tokenizer, trajectory_messages(t, tokenizer)) for t in trajs]
-    fits = [i for i, (ids, _) in enumerate(encoded) if len(ids) <= args.pe_max_tokens]
     lengths = [len(ids) for ids, _ in encoded]
-    too_long = sorted(set(range(len(trajs))) - set(fits))
+    fits = [i for i, n in enumerate(lengths) if n <= args.pe_max_tokens]
+    too_long = [i for i, n in enumerate(lengths) if n > args.pe_max_tokens]
     chunks = length_sorted_chunks(fits, lengths, args.pe_batch_size) + [[i] for i in too_long]
     for i in too_long:
         encoded[i] = readable_prefix(*encoded[i], args.pe_max_tokens)
@@ -469,18 +459,17 @@ def score_progress(args: Args, pe, head, tokenizer, trajs: list[dict]) -> int:
 
 def progress_stats(args: Args, batch: list[dict], too_long: int) -> dict:
     """The progress rewards in the training log: the mean contribution, the grounded share, the
-    prompts cut (too_long, summed over the processes) and the mean predicted outcome (Eq. 6) of
-    won and lost trajectories: does it separate them?"""
+    trajectories read only in part (too_long, summed over the processes) and the mean predicted
+    outcome (Eq. 6) of won and lost trajectories: does it separate them?"""
     steps = [s for t in batch for s in t["steps"]]
-    predicted = {won: [sum(s["contrib"] for s in t["steps"]) for t in batch if t["won"] == won]
-                 for won in (True, False)}
     stats = {"reward/contrib_mean": float(np.mean([s["contrib"] for s in steps])),
              "reward/grounded": float(np.mean([grounding_flag(s["next_state"], s["parsed"],
                                                               args.env) for s in steps])),
              "pe/too_long": sum(gather_object([too_long]))}
     for won, name in ((True, "won"), (False, "lost")):
-        if predicted[won]:
-            stats[f"reward/predicted_outcome_{name}"] = float(np.mean(predicted[won]))
+        predicted = [sum(s["contrib"] for s in t["steps"]) for t in batch if t["won"] == won]
+        if predicted:
+            stats[f"reward/predicted_outcome_{name}"] = float(np.mean(predicted))
     return stats
 
 
@@ -492,11 +481,12 @@ def save_progress_estimator(path: str, pe, head, base_model: str) -> None:
 
 
 def load_progress_estimator(args: Args, start_model, path: str):
-    """(PE, head) from a directory save_progress_estimator wrote, on a copy of the start model."""
+    """(PE, head) from a directory save_progress_estimator wrote, on `start_model` (a copy of the
+    start: the adapter is loaded into it)."""
     if not os.path.isfile(os.path.join(path, "head.pt")):
         raise UsageError(f"--progress-model {path}: no head.pt in it (not a progress_model/ "
                          "directory of spa.py?)")
-    pe = load_lora(copy.deepcopy(start_model), path)
+    pe = load_lora(start_model, path)
     head = make_head(pe.config.hidden_size, args.pe_head, next(pe.parameters()).device)
     head.load_state_dict(torch.load(os.path.join(path, "head.pt"), map_location="cpu"))
     pe.eval()
@@ -590,146 +580,87 @@ def policy_forward(model, value_head, prompts: list[list[int]], responses: list[
 class Args(HarnessArgs):
     """SPA (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
 
-    The defaults --help shows are those a run takes for the --model, --env and --advantage
-    given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
-    other (real) model; the machine and the env set the device (cuda when there is one), the
-    evaluation splits and the env workers (envs/__init__.py). Where and how the run goes (device,
-    run directory, W&B, vLLM, data parallel): HarnessArgs, common/config.py."""
+    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
+    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
+    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
 
-    exp_name: str = "spa"
-    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
-    seed: int = 1
-    """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
+    exp_name: str = "spa"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
+    seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
+    # household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)
     env: Literal["household", "alfworld"] = "household"
-    """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
-    model: str = "tiny"
-    """a local directory, hub id or Qwen name; tiny, tiny-weak (shipped), tiny-scratch (BC)"""
+    model: str = "tiny"  # local dir, hub id or Qwen name; tiny, tiny-weak, tiny-scratch (BC)
+    # rollout generation: transformers generate, its continuous batching, or vLLM (GPU)
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
-    """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
 
-    # Reward: the method and the baseline it is compared against.
+    # Reward: spa, GAE over Eq. 8's fused reward; or the baseline ppo, GAE over the sparse
+    # outcome with no progress estimator
     advantage: Literal["spa", "ppo"] = "spa"
-    """spa: GAE over Eq. 8's fused reward; ppo: GAE over the sparse outcome, no estimator"""
-    progress_weight: float = 1.0
-    """alpha, weight of the PE contribution c_t (Eq. 8); 0 = the w/o stepwise progress ablation"""
-    grounding_weight: float = 0.5
-    """beta, weight of the grounding flag g_t (Eq. 8); 0 = the "w/o grounding" ablation"""
-    gamma: float = 0.99
-    """discount of GAE (the code's config)"""
-    gae_lambda: float = 0.95
-    """lambda of GAE (trl's default)"""
-    normalize_advantages: bool = True
-    """whiten the step advantages over the batch (population variance)"""
-    grounding_form: Literal["cost", "eq8"] = "cost"
-    """cost: beta * (g_t - 1); eq8: beta * g_t as written (online, pays for length)"""
-    kl_coef: float = 0.01
-    """weight of the per-step KL to the reference, subtracted from the reward; 0 skips it"""
-    vf_coef: float = 0.1
-    """weight of the value loss beside the policy loss"""
-    value_clip: float = 0.2
-    """the value prediction may move at most this far from the rollout's value (clipped loss)"""
-    value_learning_rate: float = 5e-3
-    """AdamW learning rate of the value head (the LoRA weights: --learning-rate)"""
+    progress_weight: float = 1.0  # alpha, weight of c_t (Eq. 8); 0: ablation w/o stepwise progress
+    grounding_weight: float = 0.5  # beta, weight of g_t (Eq. 8); 0: ablation w/o grounding
+    gamma: float = 0.99  # discount of GAE (the code's config)
+    gae_lambda: float = 0.95  # lambda of GAE (trl's default)
+    normalize_advantages: bool = True  # whiten the batch's step advantages (population variance)
+    grounding_form: Literal["cost", "eq8"] = "cost"  # cost: beta (g_t - 1); eq8: Eq. 8's beta g_t
+    kl_coef: float = 0.01  # per-step KL to the reference, subtracted from the reward; 0 skips it
+    vf_coef: float = 0.1  # weight of the value loss beside the policy loss
+    value_clip: float = 0.2  # value-loss clip: V moves at most this far from its rollout value
+    value_learning_rate: float = 5e-3  # AdamW rate of the value head (the LoRA's: --learning-rate)
 
-    # Exploration and the progress estimator (Eqs. 5-7)
+    # Exploration and the progress estimator (Eqs. 5-7). RL data: explore, one pass over the
+    # exploration rollouts (the released code's); online, fresh rollouts of the current policy
     rl_data: Literal["explore", "online"] = "explore"
-    """explore: one pass over the exploration rollouts (released code); online: fresh ones"""
-    explore_num_tasks: int = 64
-    """training tasks the start policy explores; 0 = every training task"""
-    explore_rollouts: int = 8
-    """M, rollouts per explored task"""
-    explore_temperature: float = 0.7
-    """sampling temperature of the exploration rollouts"""
-    progress_model: str | None = None
-    """a trained PE (a run's progress_model/): with --rl-data online, skips its training"""
-    pe_epochs: int = 2
-    """epochs of PE training over the exploration rollouts"""
-    pe_learning_rate: float = 1e-4
-    """AdamW learning rate of the PE's LoRA and head"""
-    pe_batch_size: int = 8
-    """trajectories per PE update"""
-    pe_head: Literal["linear", "mlp"] = "linear"
-    """PE head on the final hidden state: Linear(H, 1), or the paper's MLP"""
-    pe_max_tokens: int = 2048
-    """longest trajectory the PE reads"""
-    pe_heldout: float = 0.1
-    """share of the exploration rollouts held out to report the PE's fit"""
+    explore_num_tasks: int = 64  # training tasks the start policy explores; 0 = all of them
+    explore_rollouts: int = 8  # M, rollouts per explored task
+    explore_temperature: float = 0.7  # sampling temperature of the exploration rollouts
+    progress_model: str | None = None  # a run's trained progress_model/, for --rl-data online
+    pe_epochs: int = 2  # epochs of PE training over the exploration rollouts
+    pe_learning_rate: float = 1e-4  # AdamW learning rate of the PE's LoRA and head
+    pe_batch_size: int = 8  # trajectories per PE update
+    pe_head: Literal["linear", "mlp"] = "linear"  # PE head: Linear(H, 1), or mlp (the paper's)
+    pe_max_tokens: int = 2048  # longest trajectory the PE reads
+    pe_heldout: float = 0.1  # share of the exploration rollouts held out to report the PE's fit
 
     # RL
-    iterations: int = 8
-    """training iterations; 0 = BC, exploration, PE training and the start evaluation"""
-    tasks_per_iteration: int = 4
-    """training tasks per iteration, each played --group-size times"""
-    group_size: int = 8
-    """N trajectories per task (SPA needs no groups: every script's batch shape)"""
-    max_episode_steps: int = 30
-    """step limit of a game"""
-    learning_rate: float = 5e-4
-    """AdamW learning rate of the LoRA weights"""
-    weight_decay: float = 0.0
-    """AdamW weight decay of the RL update"""
-    clip_eps: float = 0.2
-    """PPO clip range epsilon of the ratio (Eq. 10)"""
-    clip_ratio_c: float | None = None
-    """dual-clip bound c > 1: for A < 0 the loss is at most -c * A (off by default)"""
-    entropy_coef: float = 0.0
-    """weight of the entropy bonus"""
-    ppo_epochs: int = 1
-    """passes over an iteration's step samples"""
-    minibatch_size: int = 256
-    """step samples per optimizer step"""
-    micro_batch_size: int = 16
-    """step samples per forward pass"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip of every optimizer step"""
-    rollout_temperature: float = 1.0
-    """sampling temperature of training rollouts (PPO scores under the same)"""
-    eval_top_p: float = 1.0
-    """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
-    max_new_tokens: int = 12
-    """response length limit"""
-    history_length: int = 1
-    """past (observation, action) pairs shown in the prompt"""
-    reasoning: bool = False
-    """ask for <think> reasoning before the action"""
+    iterations: int = 8  # training iterations; 0 = BC, exploration, PE training, start evaluation
+    tasks_per_iteration: int = 4  # training tasks per iteration, each played --group-size times
+    group_size: int = 8  # N trajectories per task (SPA needs no groups: the scripts' batch shape)
+    max_episode_steps: int = 30  # step limit of a game
+    learning_rate: float = 5e-4  # AdamW learning rate of the LoRA weights
+    weight_decay: float = 0.0  # AdamW weight decay of the RL update
+    clip_eps: float = 0.2  # PPO clip range epsilon of the ratio (Eq. 10)
+    clip_ratio_c: float | None = None  # dual clip c > 1: for A < 0 the loss is at most -c * A
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    ppo_epochs: int = 1  # passes over an iteration's step samples
+    minibatch_size: int = 256  # step samples per optimizer step
+    micro_batch_size: int = 16  # step samples per forward pass
+    max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
+    rollout_temperature: float = 1.0  # sampling temperature of training rollouts and of PPO
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    max_new_tokens: int = 12  # response length limit
+    history_length: int = 1  # past (observation, action) pairs shown in the prompt
+    reasoning: bool = False  # ask for <think> reasoning before the action
 
     # LoRA
-    lora_r: int = 16
-    """LoRA rank of the RL adapter and the PE's (and of BC without --bc-full-params)"""
-    lora_alpha: int = 32
-    """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
+    lora_r: int = 16  # LoRA rank of the RL adapter and the PE's (and of BC without full params)
+    lora_alpha: int = 32  # LoRA alpha (the update is scaled by alpha / r)
+    lora_dropout: float = 0.0  # dropout on the LoRA input
+    lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear
 
     # Behavior cloning on expert trajectories (SPA's first stage)
-    bc_epochs: int = 0
-    """epochs of behavior cloning before exploration; 0 skips it"""
-    bc_full_params: bool = True
-    """train every weight during BC instead of a LoRA adapter"""
-    bc_num_tasks: int = 400
-    """training tasks the expert plays for BC demonstrations"""
-    bc_noise: float = 0.2
-    """share of demonstration steps that execute a mistake (the label stays the expert's)"""
-    bc_prompt_loss_weight: float = 1.0
-    """weight of the prompt tokens' next-token loss in BC (see bc_loss)"""
-    bc_learning_rate: float = 2e-3
-    """AdamW learning rate of behavior cloning"""
-    bc_batch_size: int = 8
-    """demonstration steps per BC update"""
+    bc_epochs: int = 0  # epochs of behavior cloning before exploration; 0 skips it
+    bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
+    bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
+    bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
+    bc_batch_size: int = 8  # demonstration steps per BC update
 
     # Evaluation
-    eval_splits: tuple[str, ...] = ("test",)
-    """splits to evaluate on, the first is the headline"""
-    eval_every: int = 8
-    """iterations between evaluations, besides iteration 0 and the last"""
-    eval_num_tasks: int = 200
-    """first tasks of each split to evaluate; 0 = the whole split"""
-    eval_temperature: float = 0.4
-    """sampling temperature of evaluation (0.4 in every script; SPA's paper: 0)"""
-    save_every: int = 10
-    """iterations between checkpoints (the last iteration is always saved)"""
+    eval_splits: tuple[str, ...] = ("test",)  # splits to evaluate on, the first is the headline
+    eval_every: int = 8  # iterations between evaluations, besides iteration 0 and the last
+    eval_num_tasks: int = 200  # first tasks of each split to evaluate; 0 = the whole split
+    eval_temperature: float = 0.4  # sampling temperature of evaluation (SPA's paper: 0, greedy)
+    save_every: int = 10  # iterations between checkpoints (the last iteration is always saved)
 
 
 PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
@@ -760,11 +691,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
-    probability args.bc_noise a mistake is executed instead (see _perturb).
+    probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (raw observation = anchor text), "admissible" (the actions the prompt
+    None), "state" (the observation it saw), "admissible" (the actions the prompt
     listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
     from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
     "label"}]}.
@@ -787,11 +718,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
         with timer("generation"):
             if expert:
                 responses = logprobs = [None] * len(active)
-                # An expert that gave up (label None) only looks around; BC skips those steps.
-                labels = [games[i].expert_action() for i in active]
-                commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise,
-                                     expert_rng) if label is not None else "look"
-                            for i, label in zip(active, labels)]
+                demos = [envs.noisy_expert(games[i], trajs[i]["history"], args.bc_noise,
+                                           expert_rng) for i in active]
+                labels = [label for label, _ in demos]  # None: BC skips the step
+                commands = [command for _, command in demos]
                 well_formed = has_action = [True] * len(active)
             else:
                 responses, logprobs = policy.generate(prompts, temperature, top_p)
@@ -823,50 +753,18 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     return trajs
 
 
-def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
-    """The command a noisy expert executes: its own with probability 1 - noise; else, half the
-    time, the previous command again (the typical mistake, usually answered "Nothing happens."),
-    and otherwise a random admissible one."""
-    if rng.random() >= noise:
-        return label
-    if history and rng.random() < 0.5:
-        return history[-1][1]
-    return rng.choice(game.admissible_actions())
-
-
 # ---- 6. Behavior cloning on expert trajectories -------------------------------------------------
-def expert_response(action: str, reasoning: bool) -> str:
-    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
-            else f"<action>{action}</action>")
-
-
 def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
             prompt_weight: float = 0.0) -> tuple[Tensor, Tensor]:
     """(loss, response_loss): mean cross-entropy of the response tokens, plus prompt_weight times
-    the mean next-token cross-entropy of the prompt tokens ("train on inputs").
-
-    Why the prompt term: the prompts are full of repeats (the admissible actions name what the
-    observations saw), so predicting them teaches a randomly initialised model to copy from its
-    context, which the actions need, in far fewer updates. A pretrained model needs no such help
-    (prompt_weight 0: only the response logits are computed)."""
+    the mean next-token cross-entropy of the prompt tokens ("train on inputs": it teaches a
+    randomly initialised model to copy from its context, which the actions need; prompt_weight
+    0, for a pretrained model: only the response logits are computed)."""
     if prompt_weight == 0:
         logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
         response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
         return response_loss, response_loss
-    device = next(model.parameters()).device
-    input_ids, attention, position_ids, _, response_mask = (
-        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False).logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
-                                            reduction="none")
-    # (B, L-1): the target and its context are real tokens
-    valid = (attention[:, 1:] * attention[:, :-1]).float()
-    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
-    # nll[:, P-1:].
-    split = input_ids.shape[1] - response_mask.shape[1] - 1
-    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
-    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
+    response_loss, prompt_loss = next_token_losses(model, prompts, responses, pad_id)
     return response_loss + prompt_weight * prompt_loss, response_loss
 
 
@@ -874,6 +772,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     """SFT on the env expert's trajectories: cross-entropy on the response tokens (plus, with
     --bc-prompt-loss-weight, on the prompt tokens; see bc_loss). Trains the parameters of `model`
     that require grad (a LoRA adapter, or all of them) in place."""
+    t0 = time.time()
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
     demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
@@ -918,7 +817,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             loss_value = response_loss.item()
             progress.update(1, loss=loss_value)
     progress.close()
-    return {"bc/loss": loss_value, "bc/steps": len(samples),
+    return {"bc/loss": loss_value, "bc/steps": len(samples), "bc/seconds": time.time() - t0,
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
@@ -928,9 +827,7 @@ def clone_start(args: Args, run: Run, model, tokenizer, train_tasks: list):
     if not args.bc_full_params:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
                          args.lora_target_modules)
-    t0 = time.time()
     stats = behavior_cloning(args, model, tokenizer, train_tasks)
-    stats["bc/seconds"] = time.time() - t0
     if not args.bc_full_params:
         model = merge_lora(model)
     model.requires_grad_(False)
@@ -977,14 +874,17 @@ def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) 
     log pi_ref. Written into each step; each pass timed under its name."""
     steps = [s for tr in trajs for s in tr["steps"]]
     lengths = [len(s["prompt"]) + len(s["response_ids"]) for s in steps]
-    pad, temperature = tokenizer.pad_token_id, args.rollout_temperature
+    chunks = length_sorted_chunks(list(range(len(steps))), lengths, args.micro_batch_size)
+
+    def forward(idx: list[int]):
+        return policy_forward(model, value_head, [steps[i]["prompt"] for i in idx],
+                              [steps[i]["response_ids"] for i in idx], tokenizer.pad_token_id,
+                              args.rollout_temperature)
+
     model.eval()  # no dropout when scoring the rollout policy
     with torch.no_grad(), timer("old_logprobs"):
-        for idx in length_sorted_chunks(list(range(len(steps))), lengths, args.micro_batch_size):
-            logp, _, _, values = policy_forward(model, value_head,
-                                                [steps[i]["prompt"] for i in idx],
-                                                [steps[i]["response_ids"] for i in idx], pad,
-                                                temperature)
+        for idx in chunks:
+            logp, _, _, values = forward(idx)
             for row, value, i in zip(logp.cpu(), values.tolist(), idx):
                 steps[i]["old_logprobs"] = row[:len(steps[i]["response_ids"])]
                 steps[i]["value"] = value
@@ -992,13 +892,9 @@ def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) 
         for s in steps:
             s["step_kl"] = 0.0
         if args.kl_coef > 0:  # without a KL term the reference pass is skipped
-            for idx in length_sorted_chunks(list(range(len(steps))), lengths,
-                                            args.micro_batch_size):
+            for idx in chunks:
                 with model.disable_adapter():  # the same pass, so a zero adapter gives KL 0
-                    ref, _, _, _ = policy_forward(model, value_head,
-                                                  [steps[i]["prompt"] for i in idx],
-                                                  [steps[i]["response_ids"] for i in idx], pad,
-                                                  temperature)
+                    ref, _, _, _ = forward(idx)
                 for row, i in zip(ref.cpu(), idx):
                     old = steps[i]["old_logprobs"]
                     steps[i]["step_kl"] = (old - row[:len(old)]).sum().item()
@@ -1016,13 +912,10 @@ class StepSample(NamedTuple):
 
 def policy_update(args: Args, model, value_head, tokenizer, optimizer,
                   samples: list[StepSample], generator: torch.Generator, iteration: int) -> dict:
-    """PPO with a critic over the step samples: `ppo_epochs` passes of shuffled mini-batches with
-    gradient accumulation; loss = clipped surrogate (token-mean) + vf_coef * clipped value loss
-    (step-mean).
-
-    With several processes, `samples` is this process's share, in process order, of one batch:
-    the mini-batches are drawn from the whole batch exactly as one process would draw them, each
-    process computes the gradient of its members, and the sum over processes is the update."""
+    """PPO with a critic over the step samples, `ppo_epochs` passes of shuffled mini-batches: loss
+    = clipped surrogate (token-mean) + vf_coef * clipped value loss (step-mean). Data parallel:
+    `samples` is this process's share of the batch, in process order; the mini-batches are drawn
+    as one process would draw them, and the update is the sum of every process's gradients."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
@@ -1134,10 +1027,7 @@ def main(args: Args) -> dict:
     also = " --progress-model <its run>/progress_model" if args.advantage == "spa" else ""
     dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
                                                    also=also, one_process=one_process)
-    if args.resume and args.rl_data == "explore" and not os.path.isfile(run.file(EXPLORE_FILE)):
-        raise UsageError(f"--resume {args.resume}: no {EXPLORE_FILE} in it (the exploration "
-                         "rollouts --rl-data explore trains on)")
-    explore_tasks = exploration_tasks(args, train_tasks)  # checked before the model loads
+    explore_tasks = exploration_tasks(args, run, train_tasks)  # checked before the model loads
 
     # Model: the start (--model, or cloned from the expert first), then RL's LoRA adapter.
     model, tokenizer = run.load_model()
@@ -1156,14 +1046,13 @@ def main(args: Args) -> dict:
     model.print_trainable_parameters()
     # The critic: a value head on the policy's final hidden state, backbone and adapter shared.
     value_head = make_head(model.config.hidden_size, "linear", run.device)
-    # Data parallel: every process starts from process 0's weights.
-    same_start([*model.parameters(), *value_head.parameters()], args.seed)
+    same_start([*model.parameters(), *value_head.parameters()], args.seed)  # process 0's weights
 
     engine = make_vllm_engine(start_path, args) if args.backend == "vllm" else None
     policy = Policy(args, model, tokenizer, engine)
 
-    # Exploration and the progress estimator (Eqs. 5-7), or the one saved before. The new adapter
-    # is zero, so the policy that explores is the start policy.
+    # Exploration by the start policy (the new adapter is zero) and the progress estimator
+    # (Eqs. 5-7), or the one saved before.
     pe = pe_head = None
     t0 = time.time()
     explore_trajs = exploration(args, run, policy, explore_tasks)
@@ -1239,9 +1128,7 @@ def main(args: Args) -> dict:
             stats["rollout/tokens_per_second"] = n_tokens / max(rollout_seconds, 1e-9)
         if pe is not None:
             stats.update(progress_stats(args, batch, too_long))
-        # Where the iteration's time went (the main process's): prompts, generation, env, the
-        # scoring (old_logprobs with values, ref_logprobs, progress), advantages, update.
-        stats.update(timings())  # each timer("x") above as time/x_seconds
+        stats.update(timings())  # the main process's timer("x") blocks as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],

@@ -36,11 +36,7 @@ paper, or choices where it is silent (in full: docs/sspo.md, "Departures from th
   * A child repeating its parent's or a sibling's state is trained on, not pushed.
   * Group advantages divide by the Bessel std (--no-use-std: centred only); no group of one.
   * --no-backtracking restarts from the task's first state when the branch ends [reconstructed].
-  * --fixed-novelty-weight (w/o adaptive w; 0.25 a guess), --no-novelty-reward,
-    --no-score-difference-reward, --uniform-rollouts (the gate still cuts): ablations.
-  * LoRA, a larger learning rate, no entropy bonus; ppo_clip_loss keeps the harness's arg names.
-  * The household snapshots each branch; ALFWorld replays a branch from a reset (slow).
-  * Evaluation plays plain one-sample episodes (no table, no search), as the paper's.
+  * LoRA, a larger learning rate, no entropy bonus.
 
 Run:
     python sspo.py                          # tiny model, built-in household, CPU, minutes
@@ -54,7 +50,6 @@ arguments, 5 rollouts, 6 behavior cloning, 7 evaluation, 8 training loop.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import os
@@ -67,9 +62,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning. The default run takes 40 %
-# longer on 2 idle cores, half as long next to one busy process (docs/performance.md, "The
-# default run"). An OMP_WAIT_POLICY of your own wins.
+# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
+# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
@@ -84,10 +78,10 @@ from common.dist import (mean_across_processes, minibatches, process_share, same
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
-                          pad_prompt_response, pad_rows, response_logprobs)
+                          next_token_losses, pad_rows, response_logprobs, scored_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, start_run, timer, timings
-from envs.text import encode_prompt, is_well_formed, parse_action
+from envs.text import encode_prompt, expert_response, is_well_formed, parse_action
 
 
 # ---- 1. State scores and step rewards (pure functions) ------------------------------------------
@@ -105,11 +99,8 @@ class Counts:
 def annealing_lambda(t: int, alpha: float = 50.0, schedule: str = "log",
                      horizon: float = 10_000.0, base: float = 1.0) -> float:
     """lambda_t of Eq. 1, t = 1 + the finished paths so far (t >= 1). "log": alpha ln t, the
-    authors' ALFWorld code (lambda_1 = 0). "gui": base (1 - exp(-t / horizon)), the schedule of
-    their GUI loop, which wrote base (1 - exp(-alpha' t / T)) with alpha' 0.1 and T 1000, t
-    counting search rounds (one update each) there; here t counts finished paths, about 2 a
-    round on the tiny protocol (horizon = T / alpha' = 10,000) [reconstructed]; alpha is
-    unused."""
+    authors' ALFWorld code (lambda_1 = 0). "gui": base (1 - exp(-t / horizon)), their GUI loop's,
+    with t in finished paths, not search rounds [reconstructed: docs/sspo.md]; alpha is unused."""
     if t < 1:
         raise ValueError(f"t counts 1 + the finished paths and must be >= 1, got {t}")
     if schedule == "gui":
@@ -135,8 +126,7 @@ def state_score(c: Counts, t: int, alpha: float = 50.0, xi: int = 10, zeta: floa
 
 
 def rollout_count(score: float, k_max: int = 8) -> int:
-    """Eq. 3: n = ceil(K_max S). 0 cuts the branch, 1 steps on without training, >= 2 is a group
-    that trains."""
+    """Eq. 3: n = ceil(K_max S); 0 cuts the branch, 1 steps on untrained, >= 2 trains a group."""
     return int(math.ceil(k_max * score))
 
 
@@ -150,10 +140,9 @@ def step_reward(score_t: float, score_next: float, n_total_t: int, changed: bool
                 novelty: bool = True, score_difference: bool = True,
                 fixed_weight: float | None = None, success_reward: float = 1.0) -> float:
     """Eq. 2: w R_novel + (0.5 - w)(S(s_t) - S(s_t+1)) + 0.5 R_succ, minus invalid_penalty for a
-    malformed reply. R_succ = success_reward on a won step (the authors' code passes the env's
-    reward, 10 in verl-agent), else 0. w = novelty_weight(n_total_t, k), or fixed_weight.
-    novelty=False and score_difference=False drop their terms (the paper's ablations; their
-    weights stay)."""
+    malformed reply. R_succ = success_reward on a won step, else 0. w = novelty_weight(n_total_t,
+    k), or fixed_weight. novelty=False and score_difference=False drop their terms (the paper's
+    ablations; their weights stay)."""
     w = novelty_weight(n_total_t, k) if fixed_weight is None else fixed_weight
     reward = 0.5 * success_reward * float(success)
     if novelty:
@@ -183,22 +172,19 @@ def transition_rewards(stats: dict[str, Counts], key_t: str, next_keys: list[str
                        invalid_penalty: float = 0.1, terminals: list[bool] | None = None, *,
                        schedule: str = "log", horizon: float = 10_000.0,
                        lambda_base: float = 1.0, **terms) -> list[float]:
-    """The step rewards of the n transitions sampled at state key_t, all scores read from `stats`
-    as it is (a read only: a missing key is an unvisited state, and no entry is created).
-    Child i: step_reward(S(key_t), S_next_i, N_tot(key_t), next_keys[i] != key_t, successes[i],
-    valids[i]), S_next_i from next_state_scores. schedule, horizon, lambda_base: Eq. 1's
-    lambda_t (annealing_lambda). terms: novelty, score_difference, fixed_weight, success_reward
-    of step_reward."""
+    """The step rewards of the n transitions sampled at state key_t, every score read from
+    `stats` (only read: a missing key is an unvisited state). Child i: step_reward(S(key_t),
+    S_next_i, N_tot(key_t), next_keys[i] != key_t, successes[i], valids[i]), S_next_i from
+    next_state_scores. schedule, horizon, lambda_base: Eq. 1's lambda_t (annealing_lambda).
+    terms: novelty, score_difference, fixed_weight, success_reward of step_reward."""
     lam = {"schedule": schedule, "horizon": horizon, "lambda_base": lambda_base}
     source = stats.get(key_t, Counts())
     score_t = state_score(source, t, alpha, xi, zeta, eps, **lam)
     scores_next = next_state_scores(stats, next_keys, t, alpha, xi, zeta, eps, terminals, **lam)
-    rewards = []
-    for key, success, valid, score_next in zip(next_keys, successes, valids, scores_next,
-                                               strict=True):
-        rewards.append(step_reward(score_t, score_next, source.n_total, key != key_t, success,
-                                   valid, k, invalid_penalty, **terms))
-    return rewards
+    return [step_reward(score_t, score_next, source.n_total, key != key_t, success, valid, k,
+                        invalid_penalty, **terms)
+            for key, success, valid, score_next in zip(next_keys, successes, valids, scores_next,
+                                                       strict=True)]
 
 
 def group_advantages(rewards: list[float] | Tensor, eps: float = 1e-6,
@@ -293,8 +279,7 @@ def score_of(args: Args, table: StateTable, key: str) -> float:
 def new_search(args: Args, task) -> dict:
     """A task's search: its game, the frontier stack holding the first state, and the budgets
     used. A node is a state to expand: the game's snapshot there, its observation and admissible
-    actions, the (obs, action) history that led to it, and the keys of the states on its path
-    from the root."""
+    actions, the (obs, action) history that led to it, and the keys of the states on its path."""
     game = envs.make_game(args.env, task, args.max_episode_steps)
     obs = game.reset()
     root = {"snapshot": game.snapshot(), "obs": obs, "admissible": game.admissible_actions(),
@@ -319,10 +304,10 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict],
     first, so the best is expanded next; a state already pushed by this node, or the node's own,
     is not pushed twice.
 
-    Returns (samples, finished, records): samples (prompt, response_ids, advantage, logprobs) of
-    every group of n >= 2 (Eq. 4's advantages); finished paths (search index, path keys, won,
-    steps played, or None for a path the search cut) in order, for update_counters after the
-    round; one record per popped node, for the log. The table is only read."""
+    Returns (samples, finished, records): a StepSample for each action of every group of n >= 2
+    (Eq. 4's advantages); finished paths (search index, path keys, won, steps played, or None for
+    a path the search cut) in order, for update_counters after the round; one record per popped
+    node, for the log. The table is only read."""
     finished, records, expansions = [], [], []
     with timer("prompts"):  # choosing the nodes and their prompts
         for index, search in enumerate(searches):
@@ -373,12 +358,12 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict],
                                  "well_formed": is_well_formed(texts[row], args.reasoning),
                                  "snapshot": None if done else game.snapshot(),
                                  "admissible": None if done else game.admissible_actions()})
+        child_keys, wins = [c["key"] for c in children], [c["won"] for c in children]
+        well_formed = [c["well_formed"] for c in children]
         rewards = transition_rewards(  # Eq. 2, every score from the round's table
-            table.counts, key, [c["key"] for c in children], [c["won"] for c in children],
-            [c["well_formed"] for c in children], table.t, args.score_alpha, args.fail_threshold,
-            args.success_threshold, k=args.novelty_decay,
-            invalid_penalty=args.step_invalid_penalty,
-            terminals=[c["won"] for c in children], **score_schedule(args),
+            table.counts, key, child_keys, wins, well_formed, table.t, args.score_alpha,
+            args.fail_threshold, args.success_threshold, k=args.novelty_decay,
+            invalid_penalty=args.step_invalid_penalty, terminals=wins, **score_schedule(args),
             novelty=args.novelty_reward, score_difference=args.score_difference_reward,
             fixed_weight=args.fixed_novelty_weight, success_reward=args.success_reward)
         order = rank_children(rewards)
@@ -390,8 +375,7 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict],
             elif child["key"] not in seen_keys:
                 seen_keys.add(child["key"])
                 pushed.append(child)
-        # A node whose children all end, or repeat a state, ends its branch without a finished
-        # path (the spec's loop): its states get no count from it.
+        # A node whose children all end or repeat ends its branch: no finished path, no count.
         if not args.backtracking:  # the best child goes on, if it can; no other ever does
             pushed = pushed[:1] if pushed and pushed[0] is children[order[0]] else []
         for child in reversed(pushed):  # ascending rank: the best ends on top of the stack
@@ -404,22 +388,16 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict],
             advantages = group_advantages(rewards, use_std=args.use_std)  # Eq. 4
             samples += [StepSample(prompt, responses[row], float(a), logprobs[row])
                         for row, a in zip(rows, advantages)]
-        # How much of the group's order Eq. 2's score difference decides: its term
-        # (0.5 - w)(S(s_t) - S(s_t+1)) per child (0 at an unvisited state, where w = 0.5), its
-        # spread about the group mean against the rewards' spread.
-        scores_next = next_state_scores(
-            table.counts, [c["key"] for c in children], table.t, args.score_alpha,
-            args.fail_threshold, args.success_threshold, terminals=[c["won"] for c in children],
-            **score_schedule(args))
-        w = args.fixed_novelty_weight
-        if w is None:
-            w = novelty_weight(table.counts.get(key, Counts()).n_total, args.novelty_decay)
-        terms = np.zeros(len(children))
-        if args.score_difference_reward:
-            terms = (0.5 - w) * (record["score"] - np.array(scores_next))
+        # For score_difference_stats: Eq. 2's term (0.5 - w)(S(s_t) - S(s_t+1)) of each child.
+        scores_next = next_state_scores(table.counts, child_keys, table.t, args.score_alpha,
+                                        args.fail_threshold, args.success_threshold,
+                                        terminals=wins, **score_schedule(args))
+        w = (novelty_weight(table.counts.get(key, Counts()).n_total, args.novelty_decay)
+             if args.fixed_novelty_weight is None else args.fixed_novelty_weight)
+        terms = ((0.5 - w) * (record["score"] - np.array(scores_next))
+                 if args.score_difference_reward else np.zeros(len(children)))
         record.update(rewards=rewards, valid=[c["valid"] for c in children],
-                      well_formed=[c["well_formed"] for c in children], w=w,
-                      hopeless=[s == 0.0 for s in scores_next],
+                      well_formed=well_formed, w=w, hopeless=[s == 0.0 for s in scores_next],
                       score_difference_varies=bool(terms.max() > terms.min()),
                       score_difference_spread=float(np.abs(terms - terms.mean()).sum()),
                       reward_spread=float(np.abs(np.array(rewards) - np.mean(rewards)).sum()))
@@ -470,145 +448,85 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 class Args(HarnessArgs):
     """3SPO (and the GRPO baseline) for multi-turn LLM agents.
 
-    The defaults --help shows are those a run takes for the --model, --env and --advantage
-    given. In the script: the tiny model's below, then PRESETS for tiny-scratch and for every
-    other (real) model; the machine and the env set the device (cuda when there is one), the
-    evaluation splits and the env workers (envs/__init__.py). Where and how the run goes (device,
-    run directory, W&B, vLLM, data parallel): HarnessArgs, common/config.py."""
+    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
+    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
+    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
 
-    exp_name: str = "sspo"
-    """first part of the run's name: runs/<exp-name>__<env>__<advantage>__<seed>__<time>"""
-    seed: int = 1
-    """seeds python, numpy and torch; evaluations draw from their own generator seeded with it"""
+    exp_name: str = "sspo"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
+    seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
+    # household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)
     env: Literal["household", "alfworld"] = "household"
-    """household (built in) or alfworld (needs $ALFWORLD_DATA; docs/environments.md)"""
-    model: str = "tiny"
-    """a local directory, hub id or Qwen name; tiny, tiny-weak (shipped), tiny-scratch (BC)"""
+    model: str = "tiny"  # local dir, hub id or Qwen name; tiny, tiny-weak, tiny-scratch (BC)
+    # rollout generation: transformers generate, its continuous batching, or vLLM (GPU)
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
-    """rollout generation: transformers generate, its continuous batching, or vLLM (GPU)"""
 
-    # Estimator: 3SPO's search with post-step updates, or the GRPO baseline on whole episodes.
+    # Estimator: sspo, 3SPO's ranked DFS with an update after every round (Eqs. 1-4), or the
+    # GRPO baseline on whole episodes (proxmo.py's)
     advantage: Literal["sspo", "grpo"] = "sspo"
-    """sspo (ranked DFS with an update after every round, Eqs. 1-4) or grpo (proxmo.py's)"""
-    lambda_schedule: Literal["log", "gui"] = "log"
-    """Eq. 1's lambda_t: log, alpha ln t (ALFWorld code), or gui (GUI loop) [reconstructed]"""
-    score_alpha: float = 0.25
-    """alpha of lambda_t = alpha ln t (Eq. 1; chosen on valid, docs/sspo.md)"""
-    lambda_horizon: float = 10_000.0
-    """gui: the horizon in finished paths (the GUI loop's T / alpha)"""
-    lambda_base: float = 1.0
-    """gui: lambda_t's limit (the GUI loop's)"""
-    success_reward: float = 10.0
-    """R_succ of a won step (Eq. 2; the authors' code pays 10)"""
-    fail_threshold: int = 10
-    """xi: a state with xi or more failed paths and success rate <= zeta scores 0"""
-    success_threshold: float = 0.1
-    """zeta, the success rate above which the gate stays open (Eq. 1)"""
-    novelty_decay: float = 0.1
-    """k of the novelty weight w = 0.5 exp(-k N) (Eq. 2)"""
-    max_rollouts: int = 8
-    """K_max: actions sampled at a state of score 1 (Eq. 3)"""
-    step_invalid_penalty: float = 0.1
-    """sspo: subtracted from a malformed reply's step reward before normalising"""
-    max_paths: int = 8
-    """sspo: a task's search stops after this many finished paths"""
-    generations_per_task: int | None = None
-    """sspo: a search stops after this many actions (None: 8 x max steps)"""
-    share_states_across_tasks: bool = True
-    """key states by the observation alone, shared across tasks (the code)"""
-    use_std: bool = True
-    """divide group advantages by the group std (Bessel); off: the mean only"""
-    invalid_action_penalty: float = 0.01
-    """grpo: subtracted from the final advantage of every malformed reply"""
+    lambda_schedule: Literal["log", "gui"] = "log"  # Eq. 1: alpha ln t, or the GUI loop's lambda_t
+    score_alpha: float = 0.25  # lambda_t = alpha ln t (Eq. 1; alpha chosen on valid, docs/sspo.md)
+    lambda_horizon: float = 10_000.0  # gui: horizon in finished paths (the GUI loop's T / alpha)
+    lambda_base: float = 1.0  # gui: lambda_t's limit (the GUI loop's)
+    success_reward: float = 10.0  # R_succ of a won step (Eq. 2; the authors' code pays 10)
+    fail_threshold: int = 10  # xi: a state failed on >= xi paths at success rate <= zeta scores 0
+    success_threshold: float = 0.1  # zeta: a success rate above it keeps the gate open (Eq. 1)
+    novelty_decay: float = 0.1  # k of the novelty weight w = 0.5 exp(-k N) (Eq. 2)
+    max_rollouts: int = 8  # K_max: actions sampled at a state of score 1 (Eq. 3)
+    step_invalid_penalty: float = 0.1  # sspo: subtracted from a malformed reply's step reward
+    max_paths: int = 8  # sspo: a task's search stops after this many finished paths
+    generations_per_task: int | None = None  # sspo: a search's action budget (None: 8 x max steps)
+    share_states_across_tasks: bool = True  # states keyed by observation, not per task (the code)
+    use_std: bool = True  # divide group advantages by the group std (Bessel); off: the mean only
+    invalid_action_penalty: float = 0.01  # grpo: subtracted from a malformed reply's advantage
     # The paper's ablations (Table 2).
-    novelty_reward: bool = True
-    """the novelty term of Eq. 2 (off: the w/o R_novel ablation)"""
-    score_difference_reward: bool = True
-    """the score-difference term of Eq. 2 (off: w/o R_score)"""
-    fixed_novelty_weight: float | None = None
-    """a fixed w in [0, 0.5] instead of w(N) (the w/o adaptive w ablation)"""
-    uniform_rollouts: bool = False
-    """sample K_max actions at every open state, not ceil(K_max S) (w/o adaptive n)"""
-    backtracking: bool = True
-    """off: keep only a state's best child; a dead end restarts (w/o backtrack)"""
+    novelty_reward: bool = True  # the novelty term of Eq. 2 (off: the w/o R_novel ablation)
+    score_difference_reward: bool = True  # the score-difference term of Eq. 2 (off: w/o R_score)
+    fixed_novelty_weight: float | None = None  # a fixed w in [0, 0.5], not w(N) (w/o adaptive w)
+    uniform_rollouts: bool = False  # K_max actions at open states, not Eq. 3's n (w/o adaptive n)
+    backtracking: bool = True  # off: keep only the best child; dead ends restart (w/o backtrack)
 
     # RL
-    iterations: int = 8
-    """training iterations; 0 = behavior cloning and the start evaluation only"""
-    tasks_per_iteration: int = 4
-    """training tasks per iteration, each searched (sspo) or played N times (grpo)"""
-    group_size: int = 8
-    """grpo: N trajectories per task (a group); 1 makes every advantage 0"""
-    max_episode_steps: int = 30
-    """step limit of a game"""
-    learning_rate: float = 5e-6
-    """AdamW learning rate of the LoRA weights"""
-    weight_decay: float = 0.0
-    """AdamW weight decay of the RL update"""
-    clip_eps: float = 0.2
-    """PPO clip range epsilon of the ratio (Eq. 4)"""
-    clip_ratio_c: float | None = None
-    """dual-clip bound c > 1: for A < 0 the loss is at most -c * A (off by default)"""
-    kl_coef: float = 0.01
-    """weight of the k3 KL penalty to the reference (the start: adapter off); 0: no reference"""
-    entropy_coef: float = 0.0
-    """weight of the entropy bonus"""
-    ppo_epochs: int = 1
-    """passes over an iteration's step samples"""
-    minibatch_size: int = 256
-    """step samples per optimizer step (sspo: a round's groups)"""
-    micro_batch_size: int = 16
-    """step samples per forward pass"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip of every optimizer step"""
-    rollout_temperature: float = 1.0
-    """sampling temperature of rollouts and the search (PPO scores under it)"""
-    eval_top_p: float = 1.0
-    """nucleus sampling of evaluation (1 = off; training rollouts never truncate)"""
-    max_new_tokens: int = 12
-    """response length limit"""
-    history_length: int = 1
-    """past (observation, action) pairs shown in the prompt"""
-    reasoning: bool = False
-    """ask for <think> reasoning before the action"""
+    iterations: int = 8  # training iterations; 0 = behavior cloning and the start evaluation
+    tasks_per_iteration: int = 4  # training tasks per iteration, searched (sspo) or played N times
+    group_size: int = 8  # grpo: N trajectories per task (a group); 1 makes every advantage 0
+    max_episode_steps: int = 30  # step limit of a game
+    learning_rate: float = 5e-6  # AdamW learning rate of the LoRA weights
+    weight_decay: float = 0.0  # AdamW weight decay of the RL update
+    clip_eps: float = 0.2  # PPO clip range epsilon of the ratio (Eq. 4)
+    clip_ratio_c: float | None = None  # dual clip c > 1: for A < 0 the loss is at most -c * A
+    kl_coef: float = 0.01  # k3 KL penalty to the reference (the start: adapter off); 0: none
+    entropy_coef: float = 0.0  # weight of the entropy bonus
+    ppo_epochs: int = 1  # passes over an iteration's step samples
+    minibatch_size: int = 256  # step samples per optimizer step (sspo: a round's groups)
+    micro_batch_size: int = 16  # step samples per forward pass
+    max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
+    rollout_temperature: float = 1.0  # sampling temperature of rollouts and the search, and of PPO
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    max_new_tokens: int = 12  # response length limit
+    history_length: int = 1  # past (observation, action) pairs shown in the prompt
+    reasoning: bool = False  # ask for <think> reasoning before the action
 
     # LoRA
-    lora_r: int = 16
-    """LoRA rank of the RL adapter (and of BC without --bc-full-params)"""
-    lora_alpha: int = 32
-    """LoRA alpha (the update is scaled by alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA input"""
-    lora_target_modules: str = "all-linear"
-    """comma-separated module names, or all-linear"""
+    lora_r: int = 16  # LoRA rank of the RL adapter (and of BC without --bc-full-params)
+    lora_alpha: int = 32  # LoRA alpha (the update is scaled by alpha / r)
+    lora_dropout: float = 0.0  # dropout on the LoRA input
+    lora_target_modules: str = "all-linear"  # comma-separated module names, or all-linear
 
     # Behavior cloning on expert trajectories (the paper starts RL from an Instruct model instead)
-    bc_epochs: int = 0
-    """epochs of behavior cloning on expert demonstrations before RL; 0 skips it"""
-    bc_full_params: bool = True
-    """train every weight during BC instead of a LoRA adapter"""
-    bc_num_tasks: int = 400
-    """training tasks the expert plays for BC demonstrations"""
-    bc_noise: float = 0.2
-    """share of demonstration steps that execute a mistake (the label stays the expert's)"""
-    bc_prompt_loss_weight: float = 1.0
-    """weight of the prompt tokens' next-token loss in BC (see bc_loss)"""
-    bc_learning_rate: float = 2e-3
-    """AdamW learning rate of behavior cloning"""
-    bc_batch_size: int = 8
-    """demonstration steps per BC update"""
+    bc_epochs: int = 0  # epochs of behavior cloning on expert demonstrations; 0 skips it
+    bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
+    bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
+    bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
+    bc_batch_size: int = 8  # demonstration steps per BC update
 
     # Evaluation
-    eval_splits: tuple[str, ...] = ("test",)
-    """splits to evaluate on, the first is the headline"""
-    eval_every: int = 8
-    """iterations between evaluations, besides iteration 0 and the last"""
-    eval_num_tasks: int = 200
-    """first tasks of each split to evaluate; 0 = the whole split"""
-    eval_temperature: float = 0.4
-    """sampling temperature of evaluation (the papers' 0.4; 0 is greedy)"""
-    save_every: int = 10
-    """iterations between checkpoints (the last iteration is always saved)"""
+    eval_splits: tuple[str, ...] = ("test",)  # splits to evaluate on, the first is the headline
+    eval_every: int = 8  # iterations between evaluations, besides iteration 0 and the last
+    eval_num_tasks: int = 200  # first tasks of each split to evaluate; 0 = the whole split
+    eval_temperature: float = 0.4  # sampling temperature of evaluation (the papers'; 0: greedy)
+    save_every: int = 10  # iterations between checkpoints (the last iteration is always saved)
 
 
 PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
@@ -618,8 +536,7 @@ PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, e
                  history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,
                  bc_prompt_loss_weight=0.0, bc_learning_rate=1e-4, bc_batch_size=16, eval_every=5,
                  eval_num_tasks=0),
-    # --advantage grpo, by --model (tiny and tiny-scratch: "tiny"): proxmo.py's learning rates, so
-    # that the baseline is proxmo.py's GRPO run to the bit (the protocol shares its records).
+    # --advantage grpo, by --model (tiny and tiny-scratch: "tiny"): proxmo.py's learning rates
     "tiny baseline": dict(learning_rate=5e-4),
     "real baseline": dict(learning_rate=1e-5),
 }
@@ -640,11 +557,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
-    probability args.bc_noise a mistake is executed instead (see _perturb).
+    probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (raw observation = anchor text), "admissible" (the actions the prompt
+    None), "state" (the observation it saw), "admissible" (the actions the prompt
     listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
     from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
     "label"}]}.
@@ -667,11 +584,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
         with timer("generation"):
             if expert:
                 responses = logprobs = [None] * len(active)
-                # An expert that gave up (label None) only looks around; BC skips those steps.
-                labels = [games[i].expert_action() for i in active]
-                commands = [_perturb(games[i], trajs[i]["history"], label, args.bc_noise,
-                                     expert_rng) if label is not None else "look"
-                            for i, label in zip(active, labels)]
+                demos = [envs.noisy_expert(games[i], trajs[i]["history"], args.bc_noise,
+                                           expert_rng) for i in active]
+                labels = [label for label, _ in demos]  # None: BC skips the step
+                commands = [command for _, command in demos]
                 well_formed = has_action = [True] * len(active)
             else:
                 responses, logprobs = policy.generate(prompts, temperature, top_p)
@@ -703,50 +619,18 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     return trajs
 
 
-def _perturb(game, history: list, label: str, noise: float, rng: random.Random) -> str:
-    """The command a noisy expert executes: its own with probability 1 - noise; else, half the
-    time, the previous command again (the typical mistake, usually answered "Nothing happens."),
-    and otherwise a random admissible one."""
-    if rng.random() >= noise:
-        return label
-    if history and rng.random() < 0.5:
-        return history[-1][1]
-    return rng.choice(game.admissible_actions())
-
-
 # ---- 6. Behavior cloning on expert trajectories -------------------------------------------------
-def expert_response(action: str, reasoning: bool) -> str:
-    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
-            else f"<action>{action}</action>")
-
-
 def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
             prompt_weight: float = 0.0) -> tuple[Tensor, Tensor]:
     """(loss, response_loss): mean cross-entropy of the response tokens, plus prompt_weight times
-    the mean next-token cross-entropy of the prompt tokens ("train on inputs").
-
-    Why the prompt term: the prompts are full of repeats (the admissible actions name what the
-    observations saw), so predicting them teaches a randomly initialised model to copy from its
-    context, which the actions need, in far fewer updates. A pretrained model needs no such help
-    (prompt_weight 0: only the response logits are computed)."""
+    the mean next-token cross-entropy of the prompt tokens ("train on inputs": it teaches a
+    randomly initialised model to copy from its context, which the actions need; prompt_weight
+    0, for a pretrained model: only the response logits are computed)."""
     if prompt_weight == 0:
         logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
         response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
         return response_loss, response_loss
-    device = next(model.parameters()).device
-    input_ids, attention, position_ids, _, response_mask = (
-        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False).logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
-                                            reduction="none")
-    # (B, L-1): the target and its context are real tokens
-    valid = (attention[:, 1:] * attention[:, :-1]).float()
-    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
-    # nll[:, P-1:].
-    split = input_ids.shape[1] - response_mask.shape[1] - 1
-    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
-    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
+    response_loss, prompt_loss = next_token_losses(model, prompts, responses, pad_id)
     return response_loss + prompt_weight * prompt_loss, response_loss
 
 
@@ -754,6 +638,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     """SFT on the env expert's trajectories: cross-entropy on the response tokens (plus, with
     --bc-prompt-loss-weight, on the prompt tokens; see bc_loss). Trains the parameters of `model`
     that require grad (a LoRA adapter, or all of them) in place."""
+    t0 = time.time()
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
     demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
@@ -798,7 +683,7 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
             loss_value = response_loss.item()
             progress.update(1, loss=loss_value)
     progress.close()
-    return {"bc/loss": loss_value, "bc/steps": len(samples),
+    return {"bc/loss": loss_value, "bc/steps": len(samples), "bc/seconds": time.time() - t0,
             "bc/demo_success": float(np.mean([t["won"] for t in demos]))}
 
 
@@ -808,9 +693,7 @@ def clone_start(args: Args, run: Run, model, tokenizer, train_tasks: list):
     if not args.bc_full_params:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
                          args.lora_target_modules)
-    t0 = time.time()
     stats = behavior_cloning(args, model, tokenizer, train_tasks)
-    stats["bc/seconds"] = time.time() - t0
     if not args.bc_full_params:
         model = merge_lora(model)
     model.requires_grad_(False)
@@ -860,51 +743,39 @@ class StepSample(NamedTuple):
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSample],
                   generator: torch.Generator, iteration: int) -> dict:
-    """PPO over the step samples: the old log-probs recorded at sampling time, else scored here,
-    and the reference log-probs first, then `ppo_epochs` passes of shuffled mini-batches with
-    gradient accumulation.
-
-    With several processes, `samples` is this process's share, in process order, of one batch:
-    the mini-batches are drawn from the whole batch exactly as one process would draw them, each
-    process computes the gradient of its members, and the sum over processes is the update."""
+    """PPO over the step samples: old log-probs (recorded when sampled, else scored here) and
+    reference log-probs first, then `ppo_epochs` passes of shuffled mini-batches. Data parallel:
+    `samples` is this process's share of the batch, in process order; the mini-batches are drawn
+    as one process would draw them, and the update is the sum of every process's gradients."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
     temperature = args.rollout_temperature  # the sampling policy: softmax(logits / temperature)
     device = next(model.parameters()).device
-    lengths = [len(s.prompt) + len(s.response) for s in samples]
-
-    def logprobs_no_grad(reference: bool) -> list[Tensor]:
-        out: list[Tensor] = [torch.empty(0)] * len(samples)
-        with torch.no_grad():
-            for idx in length_sorted_chunks(list(range(len(samples))), lengths, mb):
-                prompts = [samples[i].prompt for i in idx]
-                responses = [samples[i].response for i in idx]
-                with model.disable_adapter() if reference else contextlib.nullcontext():
-                    lp, _, _ = response_logprobs(model, prompts, responses, pad,
-                                                 temperature=temperature)
-                for row, i in zip(lp, idx):
-                    out[i] = row[:len(samples[i].response)]
-        return out
-
+    prompts = [s.prompt for s in samples]
+    responses = [s.response for s in samples]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     model.eval()  # no dropout when scoring the rollout policy
     with timer("old_logprobs"):
         if all(s.old_logprobs is not None for s in samples):
             old_logp = [torch.tensor(s.old_logprobs) for s in samples]
         else:
-            old_logp = logprobs_no_grad(False)
+            old_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
     with timer("ref_logprobs"):
-        ref_logp = logprobs_no_grad(True) if args.kl_coef > 0 else old_logp
+        ref_logp = old_logp
+        if args.kl_coef > 0:
+            with model.disable_adapter():  # the reference: the start
+                ref_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
-    response_lengths = [len(s.response) for s in samples]
+    response_lengths = [len(r) for r in responses]
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
         # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
         for idx in length_sorted_chunks(mini.mine, lengths, mb):
             logp, mask, entropy = response_logprobs(
-                model, [samples[i].prompt for i in idx], [samples[i].response for i in idx], pad,
+                model, [prompts[i] for i in idx], [responses[i] for i in idx], pad,
                 with_entropy=args.entropy_coef > 0, temperature=temperature)
             mask = mask.to(device)
             old = pad_rows([old_logp[i] for i in idx], logp.shape[1]).to(device)
@@ -970,22 +841,40 @@ def grpo_iteration(args: Args, tokenizer, policy: Policy, model, optimizer, task
     return stats
 
 
+def score_difference_stats(trained: list[dict], hopeless: list[bool]) -> dict:
+    """Whether Eq. 2's score difference ranks anything, from search_round's records of the
+    trained groups (n >= 2): the share whose score-difference term varies, the term's share of
+    the rewards' spread about their group means (sums over all of them), their mean novelty
+    weight w; and the share of children sent to a hopeless state (S = 0). A figure without any
+    group or child to measure is left out."""
+    stats = {}
+    if trained:
+        stats["sspo/score_difference_varies"] = float(np.mean(
+            [r["score_difference_varies"] for r in trained]))
+        stats["sspo/trained_w"] = float(np.mean([r["w"] for r in trained]))
+        spread = sum(r["reward_spread"] for r in trained)
+        if spread > 0:
+            stats["sspo/score_difference_share"] = sum(
+                r["score_difference_spread"] for r in trained) / spread
+    if hopeless:
+        stats["sspo/hopeless_children"] = float(np.mean(hopeless))
+    return stats
+
+
 def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, tasks: list,
                      table: StateTable, iteration: int, run_path: str,
                      generator: torch.Generator) -> dict:
-    """One 3SPO iteration: the searches of this process's tasks, in rounds until every search
-    of every process has stopped. After each round: one policy update on the round's groups of
-    all processes (Eq. 4, post-step), then the round's finished paths of all processes go into
-    the counters in process order, so that every process keeps the same table.
-    Returns the iteration's logged stats."""
+    """One 3SPO iteration, returning its logged stats: the searches of this process's tasks, in
+    rounds until every search of every process has stopped. After each round: one policy update on
+    the round's groups of all processes (Eq. 4, post-step), then the round's finished paths of all
+    processes go into the counters in process order, so that every process keeps the same table."""
     began = time.perf_counter()
     searches = [new_search(args, task) for task in tasks]
     tracked_before = len(table.counts)
     records, finished_all, update_stats = [], [], defaultdict(list)
     rounds, update_seconds = 0, 0.0
     while any(gather_object([any(search_active(args, s) for s in searches)])):
-        samples, finished, round_records = search_round(args, tokenizer, policy, searches,
-                                                        table)
+        samples, finished, round_records = search_round(args, tokenizer, policy, searches, table)
         rounds += 1
         if sum(gather_object([len(samples)])):
             policy.sleep()  # --vllm-sleep: the engine's memory to the update
@@ -1006,15 +895,12 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
         records += gather_object(round_records)
     expanded = [r for r in records if r["rollouts"] > 0]
     trained = [r for r in records if r["rollouts"] >= 2]
-    children = [(reward, valid, well_formed) for r in expanded
-                for reward, valid, well_formed in zip(r["rewards"], r["valid"], r["well_formed"])]
+    children = [c for r in expanded for c in zip(r["rewards"], r["valid"], r["well_formed"])]
     hopeless = [h for r in expanded for h in r["hopeless"]]
+    visited = [r["visited"] for r in expanded]  # unvisited: w = 0.5, no score difference (Eq. 2)
     wins = [won for won, _ in finished_all]
     lengths = [steps for _, steps in finished_all if steps is not None]  # the game ended them
     scores = [score_of(args, table, key) for key in table.counts]
-    # Sampled states with a finished path through them: at an unvisited one w = 0.5, and Eq.
-    # 2's score difference weighs nothing.
-    visited_share = float(np.mean([r["visited"] for r in expanded])) if expanded else 0.0
     out = {name: float(np.mean(v)) for name, v in update_stats.items()}  # over the updates
     out.update(score_difference_stats(trained, hopeless))
     out.update({
@@ -1036,29 +922,9 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
         "sspo/truncated_share": float(np.mean([r["rollouts"] == 0 for r in records])),
         "sspo/untrained_share": float(np.mean([r["rollouts"] == 1 for r in records])),
         "sspo/depth": float(np.mean([r["depth"] for r in records])),
-        "sspo/visited_share": visited_share,
+        "sspo/visited_share": float(np.mean(visited)) if visited else 0.0,
         "sspo/reward_mean": float(np.mean([c[0] for c in children])) if children else 0.0})
     return out
-
-
-def score_difference_stats(trained: list[dict], hopeless: list[bool]) -> dict:
-    """Whether Eq. 2's score difference ranks anything, from search_round's records of the
-    trained groups (n >= 2): the share whose score-difference term varies, the term's share of
-    the rewards' spread about their group means (sums over all of them), their mean novelty
-    weight w; and the share of children sent to a hopeless state (S = 0). A figure without any
-    group or child to measure is left out."""
-    stats = {}
-    if trained:
-        stats["sspo/score_difference_varies"] = float(np.mean(
-            [r["score_difference_varies"] for r in trained]))
-        stats["sspo/trained_w"] = float(np.mean([r["w"] for r in trained]))
-        spread = sum(r["reward_spread"] for r in trained)
-        if spread > 0:
-            stats["sspo/score_difference_share"] = sum(
-                r["score_difference_spread"] for r in trained) / spread
-    if hopeless:
-        stats["sspo/hopeless_children"] = float(np.mean(hopeless))
-    return stats
 
 
 def validate_args(args: Args) -> list[str]:
@@ -1130,16 +996,15 @@ def main(args: Args) -> dict:
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         policy.sync(run.path)
         my_groups = process_share(len(batch_tasks), dist.process_index, dist.num_processes)
+        my_tasks = [batch_tasks[g] for g in my_groups]
         if args.advantage == "sspo":
             # (1) a ranked search over each task, round by round, (2) a policy update after every
             # round (Eq. 4), (3) the round's finished paths into the counters (Eq. 1).
-            stats = search_and_learn(args, tokenizer, policy, model, optimizer,
-                                     [batch_tasks[g] for g in my_groups], table, iteration,
-                                     run.path, generator)
+            stats = search_and_learn(args, tokenizer, policy, model, optimizer, my_tasks, table,
+                                     iteration, run.path, generator)
         else:  # the GRPO baseline: B tasks x N copies, one update
-            stats = grpo_iteration(args, tokenizer, policy, model, optimizer,
-                                   [batch_tasks[g] for g in my_groups], my_groups.start,
-                                   iteration, generator)
+            stats = grpo_iteration(args, tokenizer, policy, model, optimizer, my_tasks,
+                                   my_groups.start, iteration, generator)
         stats["time/iteration_seconds"] = time.time() - t0
         # Where the iteration's time went: prompts, generation, env, advantages, and the policy
         # update's old_logprobs, ref_logprobs and update; the main process's times.

@@ -64,6 +64,7 @@ from common.model import (TINY_STARTS, add_lora, load_model_and_tokenizer,  # no
                           response_logprobs)
 from common.run import CODE_VERSION  # noqa: E402
 from envs.household import HouseholdEnv, generate_task, label_progress  # noqa: E402
+from envs.text import expert_response  # noqa: E402
 
 
 # ---- 1. The figures -----------------------------------------------------------------------------
@@ -235,9 +236,10 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
 def stall_expert_probability(batch: Batch, chunk: int = 32) -> tuple[float, float, int]:
     """Where failed episodes stall: every step of a failed episode after its last step with
     progress > 0 (all its steps when none had). At each, the probability that the policy, at the
-    rollout temperature, replies with the expert's action (the reply BC taught: proxmo.py's
-    expert_response). Returns (median probability, the share of stall steps where a group of 8
-    samples draws it once in expectation, 8 p >= 1, their number); (nan, nan, 0) without one."""
+    rollout temperature, replies with the expert's action (the reply BC taught:
+    envs.text.expert_response). Returns (median probability, the share of stall steps where a
+    group of 8 samples draws it once in expectation, 8 p >= 1, their number); (nan, nan, 0)
+    without one."""
     prompts, responses = [], []
     for traj, task, progress in zip(batch.trajs, batch.tasks, batch.progress):
         if traj["won"]:
@@ -248,7 +250,7 @@ def stall_expert_probability(batch: Batch, chunk: int = 32) -> tuple[float, floa
         for t, step in enumerate(traj["steps"]):
             expert = game.expert_action()
             if t > last and expert is not None:
-                reply = proxmo.expert_response(expert, batch.args.reasoning)
+                reply = expert_response(expert, batch.args.reasoning)
                 ids = batch.tokenizer(reply, add_special_tokens=False).input_ids
                 prompts.append(step["prompt"])
                 responses.append(ids + [batch.tokenizer.eos_token_id])

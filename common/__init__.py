@@ -1,6 +1,6 @@
-"""The thin layer every method script shares: model + LoRA loading (model.py), generation through
-transformers or vLLM (generation.py) and stepping many games at once (envbatch.py). Nothing
-method-specific lives here."""
+"""The harness every method script shares, nothing method-specific: config.py (Args, presets,
+checks), run.py (the run directory, checkpoints, resume), model.py (loading, LoRA, log-probs),
+generation.py (the rollout backends), envbatch.py (many games at once), dist.py (data parallel)."""
 
 
 class UsageError(Exception):

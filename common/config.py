@@ -1,11 +1,6 @@
 """A script's configuration: its Args dataclass with the defaults of the --model, --env and
---advantage given (one PRESETS table per script), parsed with tyro, or on --resume the run's
-saved configuration, which the command line may not contradict.
-
-A script's PRESETS: {"tiny-scratch": {...}, "real": {...}} on top of the dataclass's defaults
-(the tiny model's), and optionally {"tiny baseline": {...}, "real baseline": {...}} on top of
-those for an --advantage other than the dataclass's default (the method's own).
-"""
+--advantage given (preset_args), parsed with tyro, or on --resume the run's saved configuration,
+which the command line may not contradict (parse_args); then its checks (errors)."""
 
 from __future__ import annotations
 
@@ -31,35 +26,26 @@ class HarnessArgs:
     """Where and how a run goes: settings only the harness reads, the same in every script.
     A script's Args extends this class, so --help lists these first (as CleanRL's do)."""
 
-    device: str = "cpu"
-    """torch device (cuda when available, else cpu)"""
-    deterministic: bool = True
-    """ask torch for deterministic kernels (free on CPU; on CUDA, benchmarks/gpu_check.py)"""
-    run_dir: str = "runs"
-    """where run directories are created"""
-    resume: str | None = None
-    """a run directory to continue; only --iterations, --device, --process-timeout-* may differ"""
-    track: bool = False
-    """also log to Weights & Biases (it syncs the TensorBoard logs)"""
-    wandb_project: str = "llm-agent-credit-assignment"
-    """Weights & Biases project of --track"""
-    env_workers: int = 0
-    """processes that step a batch's games at once (0: this process)"""
-    process_timeout_minutes: float = 120.0
-    """data parallel: how long a process waits for the others (torch's own for NCCL: 10)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, slower"""
-    max_prompt_tokens: int = 2048
-    """prompt length limit; longer prompts drop their oldest history pairs first"""
-    vllm_gpu_memory_utilization: float = 0.35
-    """share of GPU memory vLLM may take (the rest holds the trainer)"""
-    vllm_sleep: bool = False
-    """vLLM: its weights to host memory and its KV cache freed during each update (small GPUs)"""
+    device: str = "cpu"  # torch device (cuda when available, else cpu)
+    deterministic: bool = True  # deterministic torch kernels (CUDA: benchmarks/gpu_check.py)
+    run_dir: str = "runs"  # where run directories are created
+    resume: str | None = None  # run to continue; only --iterations, --device, timeouts may differ
+    track: bool = False  # also log to Weights & Biases (it syncs the TensorBoard logs)
+    wandb_project: str = "llm-agent-credit-assignment"  # Weights & Biases project of --track
+    env_workers: int = 0  # processes that step a batch's games at once (0: this process)
+    process_timeout_minutes: float = 120.0  # data parallel: how long a process waits for others
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, slower
+    max_prompt_tokens: int = 2048  # prompt length limit; longer prompts lose oldest history first
+    vllm_gpu_memory_utilization: float = 0.35  # GPU memory vLLM may take (the rest: the trainer)
+    vllm_sleep: bool = False  # vLLM: weights to host, KV cache freed during each update
 
 
 def preset_args(Args, presets: dict, model: str = "tiny", env: str = "household",
                 advantage: str | None = None):
-    """The defaults for `model`, `env` and `advantage` (None: the method's own)."""
+    """The defaults for `model`, `env` and `advantage` (None: the method's own): the dataclass's
+    (the tiny models'; the env's eval splits and workers, this machine's device), then
+    presets["tiny-scratch"] or, for a model not tiny, presets["real"], then for another
+    --advantage presets["tiny baseline"] or presets["real baseline"], if any."""
     import torch
 
     args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
@@ -78,13 +64,6 @@ def preset_args(Args, presets: dict, model: str = "tiny", env: str = "household"
 def choices(Args, name: str) -> tuple:
     """The values a Literal field of Args accepts."""
     return typing.get_args(typing.get_type_hints(Args)[name])
-
-
-def finite_errors(args) -> list[str]:
-    """One line per float field that is NaN or infinite."""
-    names = [f.name for f in fields(args) if isinstance(getattr(args, f.name), float)]
-    return [f"--{name.replace('_', '-')} must be finite" for name in names
-            if not math.isfinite(getattr(args, name))]
 
 
 def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None = None):
@@ -196,7 +175,9 @@ def errors(args, ranges: dict[str, str]) -> list[str]:
     range cannot say about the harness's flags."""
     import torch
 
-    found = finite_errors(args)
+    floats = [f.name for f in fields(args) if isinstance(getattr(args, f.name), float)]
+    found = [f"--{name.replace('_', '-')} must be finite" for name in floats
+             if not math.isfinite(getattr(args, name))]
     if set(RANGES) & set(ranges):
         raise ValueError(f"ranges of the harness given again: {sorted(set(RANGES) & set(ranges))}")
     for name, rule in {**RANGES, **ranges}.items():
@@ -229,9 +210,6 @@ def run_command_line(main, parse_args) -> None:
     run that cannot go on (RunStopped) with exit status 1."""
     try:
         main(parse_args(sys.argv[1:]))
-    except UsageError as e:
+    except (UsageError, FloatingPointError, RunStopped) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (FloatingPointError, RunStopped) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(2 if isinstance(e, UsageError) else 1)

@@ -1,8 +1,7 @@
 """Data parallel (`accelerate launch --num_processes K <script>.py ...`): every process holds the
 same policy, plays a contiguous share of each iteration's task groups (a group never straddles two
 processes) and of the evaluation tasks, and sums its gradients with the others' before every
-optimizer step. `python <script>.py` is one process, and nothing here communicates then.
-"""
+optimizer step. `python <script>.py` is one process, and nothing here communicates then."""
 
 from __future__ import annotations
 
@@ -19,11 +18,10 @@ from torch import Tensor
 
 
 def start_processes(args) -> PartialState:
-    """This process's PartialState: the only process, or one of those `accelerate launch`
-    started (gloo between CPU processes, NCCL between GPUs). A collective waits up to
-    --process-timeout-minutes for the slowest process: torch's own limit for NCCL, 10 minutes,
-    is shorter than one process's share of a long evaluation can take. Only the first
-    PartialState of a process sets this; call it before any other."""
+    """This process's PartialState (gloo between CPU processes, NCCL between GPUs), whose
+    collectives wait up to --process-timeout-minutes for the slowest process (torch's own 10
+    minutes for NCCL is too short for a long evaluation). Only the first PartialState of a
+    process sets this: call it before any other."""
     return PartialState(cpu=args.device == "cpu",
                         timeout=timedelta(minutes=args.process_timeout_minutes))
 

@@ -1,10 +1,8 @@
 """Many games stepped in lock-step: one model call chooses the actions of every game still running,
-then each of those games takes its step. A finished game produces no more steps (no padding).
-
-Games may live in worker processes (RemoteGame, from a WorkerPool): EnvBatch then sends every
-game its reset or step before it waits for any answer, so the workers play at once. A slow
-engine (ALFWorld's: about 0.6 s to load and reset a game, 12-35 ms a step) needs this for a
-batch of 32-128 games not to step one game at a time."""
+then each of those games takes its step (a finished game takes no more). Games may live in worker
+processes (RemoteGame, from a WorkerPool), for a slow engine such as ALFWorld's
+(docs/environments.md): EnvBatch sends every game its reset or step before it awaits any answer,
+so the workers play at once."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ class EnvBatch:
         return [i for i, d in enumerate(self.done) if not d]
 
     def step(self, actions: dict[int, str]) -> dict[int, tuple[str, float, bool, dict]]:
-        """Step game i with actions[i] for every running i; returns
-        {i: (obs, reward, done, info)}."""
+        """Step game i with actions[i] for every running i: {i: (obs, reward, done, info)}."""
         for i in actions:
             if self.done[i]:
                 raise ValueError(f"game {i} is finished")
@@ -173,12 +170,11 @@ class WorkerPool:
 
 
 class RemoteGame:
-    """A game in a WorkerPool's process, with the game interface of envs/: reset(), step(),
-    admissible_actions(), expert_action(), snapshot(), restore() and the attributes task_type,
-    task_description, steps, won, max_steps (as of the last answer). Where a game in this
-    process would raise, a RemoteGame differs: before reset() it has no admissible commands
-    ([]), a game made without its expert answers expert_action() with None, and an exception
-    in the worker comes back as a RuntimeError carrying the worker's traceback."""
+    """A game in a WorkerPool's process, with the game interface of envs/ (its attributes as of
+    the last answer). Where a game in this process would raise, a RemoteGame differs: before
+    reset() it has no admissible commands ([]), a game made without its expert answers
+    expert_action() with None, and an exception in the worker comes back as a RuntimeError
+    carrying the worker's traceback."""
 
     def __init__(self, pool: WorkerPool, worker: int, game_id: int):
         self.pool, self.worker, self.game_id = pool, worker, game_id

@@ -1,7 +1,6 @@
-"""Batched generation: transformers `generate` with a KV cache (default, CPU or GPU), transformers'
-continuous batching with a paged KV cache (`ContinuousBatching`, CPU or GPU), or vLLM with the
-current LoRA adapter (GPU, optional). Prompts and responses are token ids, so every backend
-returns exactly the tokens the policy is later trained on.
+"""Batched generation through the three --backend choices (docs/running.md, "Generation
+backends"): hf_generate, ContinuousBatching and vllm_generate, behind Policy. Prompts and
+responses are token ids, so every backend returns exactly the tokens the policy is trained on.
 
 Sampling is exactly softmax(logits / temperature), optionally top-p truncated, and nothing else:
 a checkpoint's own generation config (Qwen2.5-Instruct ships repetition_penalty, top_k, top_p
@@ -91,9 +90,8 @@ def _through_first_eos(tokens: list[int], eos_ids: list[int]) -> int:
     return next((j + 1 for j, t in enumerate(tokens) if t in eos_ids), len(tokens))
 
 
-# Prompts per prefill forward pass: hf_generate prefills the distinct prompts of a call sorted by
-# length, so that padding costs little, in batches of this many (16 x ~200 tokens ran fastest per
-# token on 2 CPU cores; on a GPU, 16 prompts of a real model's length fill a forward pass too).
+# Prompts per prefill forward pass (16 x ~200 tokens ran fastest per token on 2 CPU cores; on a
+# GPU, 16 prompts of a real model's length fill a forward pass too).
 PREFILL_ROWS = 16
 # A model smaller than this decodes on one CPU thread (see _decode_threads).
 ONE_THREAD_DECODE_PARAMETERS = 50_000_000
@@ -101,11 +99,11 @@ ONE_THREAD_DECODE_PARAMETERS = 50_000_000
 
 def _prefilled_cache(model, prompts: list[list[int]], width: int, pad_id: int, device):
     """The KV cache of every prompt but its last token, laid out as generate() lays out its own
-    (left-padded to width - 1), with each distinct prompt computed once: a group's episodes often
-    reach the same step with the same prompt. Pad positions hold whatever the attention mask
-    hides (zeros, or the keys and values of pad tokens). The distinct prompts are batched by
-    length, so padding costs little. None when there is nothing to cache, or the model's cache is
-    not a plain one (sliding windows and other layouts are left to generate())."""
+    (left-padded to width - 1), each distinct prompt computed once (a group's episodes often
+    reach the same step with the same prompt), PREFILL_ROWS at a time sorted by length so that
+    padding costs little. Pad positions hold whatever the attention mask hides. None when there
+    is nothing to cache, or the model's cache is not a plain one (sliding windows and other
+    layouts are left to generate())."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -154,12 +152,11 @@ def _prefilled_cache(model, prompts: list[list[int]], width: int, pad_id: int, d
 
 @contextlib.contextmanager
 def _decode_threads(model, device):
-    """Decode a small model on one CPU thread. A decoding step of the tiny model is a few hundred
-    small operations; with OpenMP's threads asleep between them (OMP_WAIT_POLICY=PASSIVE, which
-    the scripts set) waking the second thread for each costs more than it saves: the decoding
-    steps took about twice as long on 2 threads as on 1 (docs/performance.md, "Where an
-    iteration's time goes"). A large model's decoding step is bound by reading its weights, which
-    every thread helps with."""
+    """Decode a small model on one CPU thread: a tiny model's decoding step is a few hundred small
+    operations, and with OpenMP's threads asleep between them (OMP_WAIT_POLICY=PASSIVE, as the
+    scripts set) waking the second thread for each made the steps twice as slow as on one
+    (docs/performance.md). A large model's step is bound by reading its weights, which every
+    thread helps with."""
     small = sum(p.numel() for p in model.parameters()) < ONE_THREAD_DECODE_PARAMETERS
     if torch.device(device).type != "cpu" or not small:
         yield
@@ -176,16 +173,14 @@ def _decode_threads(model, device):
 def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[int],
                 max_new_tokens: int, temperature: float, top_p: float = 1.0,
                 batch_size: int = 64, return_logprobs: bool = False):
-    """Response ids for each prompt, cut after the first eos (which is kept). temperature 0 =
-    greedy. Sampling draws from torch's global generator, which --seed fixes.
+    """Response ids for each prompt, cut after the first eos (which is kept); temperature 0 =
+    greedy. Sampling draws from torch's global generator, which --seed fixes. With
+    return_logprobs (temperature > 0 without top-p only): (responses, logprobs), each token's
+    log-probability under softmax(logits / temperature), the distribution it was drawn from.
 
-    Prompts go in batches of `batch_size`. Each batch's prompts are prefilled first, a distinct
-    prompt once (_prefilled_cache), then generate() continues from that cache: the same replies
-    as generate() on the whole batch, with less work when prompts repeat or differ in length.
-
-    With return_logprobs (sampling at temperature > 0 without top-p only), also the
-    log-probability of each response token under softmax(logits / temperature), the distribution
-    it was drawn from: (responses, logprobs), lists of equal lengths."""
+    Prompts go in batches of `batch_size`, each prefilled first, a distinct prompt once
+    (_prefilled_cache); generate() continues from that cache: the same replies as generate() on
+    the whole batch, with less work when prompts repeat or differ in length."""
     _check_recordable(return_logprobs, temperature, top_p)
     was_training = model.training
     model.eval()
@@ -216,25 +211,15 @@ def hf_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[i
 
 
 class ContinuousBatching:
-    """transformers' continuous batching (`generate_batch`'s engine: a paged KV cache, a prompt
-    prefix shared between requests; CUDA graphs on GPU with flash attention installed, which the
-    engine then switches the model to until close()) with one manager per sampling setting,
-    kept for the whole run. A lock-step rollout generates at every environment step; a manager
-    made per call would allocate its cache and warm up (capture its CUDA graphs) every time.
+    """transformers' continuous batching (`generate_batch`'s engine: a paged KV cache, prompt
+    prefixes shared between requests) with one manager per sampling setting, kept for the whole
+    run: a lock-step rollout generates at every environment step, and a manager made per call
+    would allocate its cache and warm up every time. Same contract and tokens as hf_generate,
+    drawing from torch's global generator too (docs/running.md says what is tested).
 
-    Same contract as hf_generate, and the same tokens: greedy outputs equal hf_generate's (tested
-    on the tiny model in fp32; bf16 kernels round differently), and sampling records the
-    log-probabilities of softmax(logits / T) the tokens were drawn from. The model's weights are
-    read at every forward and the cache is emptied at every call, so an optimizer step on the
-    LoRA weights reaches the next call. Sampling draws from torch's global generator, as
-    hf_generate does: transformers reseeds that generator when it builds a manager, so the state
-    is saved and restored around it, and each call queues all its requests before the engine's
-    loop takes any, so a batch is scheduled, and its draws are made, the same way for a seed.
-
-    Each manager's KV cache is sized to the workload: `max_requests` sequences of
-    `max_sequence_tokens` tokens (prompt + response) at once; more requests wait for a free
-    slot. Built for a GPU with flash attention; on CPU it is slower than hf_generate
-    (docs/performance.md, "Rollout speed"). close() frees the caches."""
+    A manager's KV cache holds `max_requests` sequences of `max_sequence_tokens` tokens (prompt +
+    response); more requests wait for a slot. Built for a GPU with flash attention; on CPU it is
+    slower than hf_generate (docs/performance.md, "Rollout speed"). close() frees the caches."""
 
     PAGE_TOKENS = 64  # a page of KV cache; sequences here are short (a few hundred to 2k tokens)
     # Tokens in one forward pass. Without flash attention the engine holds a dense mask of this
@@ -370,16 +355,10 @@ def release_cached_memory() -> None:
 
 def make_vllm_engine(model_path: str, args):
     """A vLLM engine over the base weights at `model_path` with LoRA enabled (args: a script's
-    Args; lora_r, vllm_gpu_memory_utilization, max_prompt_tokens + max_new_tokens, seed,
-    vllm_sleep). generation_config="vllm" keeps the checkpoint's sampling defaults out, as in
+    Args). generation_config="vllm" keeps the checkpoint's sampling defaults out, as in
     hf_generate; processed log-probs are those of softmax(logits / temperature), the
-    distribution a token was drawn from.
-
-    vLLM refuses to start unless gpu_memory_utilization x the GPU's memory is free, and its
-    engine runs in a process of its own: what this process's allocator keeps cached (behavior
-    cloning's activations) is handed back to the GPU first. --vllm-sleep: Policy.sleep can free
-    the engine's memory between rollouts (level 1: the weights, the LoRA slots with them, go to
-    host memory; the KV cache is dropped)."""
+    distribution a token was drawn from. vLLM refuses to start unless gpu_memory_utilization x
+    the GPU's memory is free, so what this process's allocator keeps cached goes back first."""
     try:
         from vllm import LLM
     except ImportError as e:
@@ -463,26 +442,23 @@ class Policy:
                                 adapter_version=self.adapter_version, eos_ids=self.eos_ids,
                                 max_new_tokens=a.max_new_tokens, temperature=temperature,
                                 top_p=top_p, return_logprobs=record)
-            if not record:
-                return out, None
-            if self.measure_gap:
+            if record and self.measure_gap:
                 self.gaps.append(self.logprob_gap(prompts, *out, temperature))
                 self.measure_gap = False
-            return out
-        if self.batcher is not None:
+        elif self.batcher is not None:
             out = self.batcher.generate(prompts, temperature=temperature, top_p=top_p,
                                         return_logprobs=record)
-            return out if record else (out, None)
-        out = hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
-                          eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
-                          temperature=temperature, top_p=top_p,
-                          batch_size=max(a.micro_batch_size, 64), return_logprobs=record)
+        else:
+            out = hf_generate(self.model, prompts, pad_id=self.tokenizer.pad_token_id,
+                              eos_ids=self.eos_ids, max_new_tokens=a.max_new_tokens,
+                              temperature=temperature, top_p=top_p,
+                              batch_size=max(a.micro_batch_size, 64), return_logprobs=record)
         return out if record else (out, None)
 
     def sleep(self) -> None:
         """With --vllm-sleep, free the engine's GPU memory for the update; generate wakes it."""
         if self.engine is not None and self.args.vllm_sleep and not self.asleep:
-            self.engine.sleep(level=1)
+            self.engine.sleep(level=1)  # the weights (LoRA slots too) to host, KV cache dropped
             self.asleep = True
 
     def wake_up(self) -> None:

@@ -1,18 +1,5 @@
-"""Model and tokenizer loading, LoRA adapters, and log-probabilities of responses.
-
---model accepts:
-  * a local directory saved with save_pretrained,
-  * a hub id ("Qwen/Qwen2.5-1.5B-Instruct"),
-  * a bare Qwen name ("Qwen2.5-1.5B-Instruct" -> "Qwen/Qwen2.5-1.5B-Instruct"),
-  * "tiny": the shipped start checkpoint assets/tiny-household (a 2-layer Qwen2 behavior-cloned on
-    the household expert; how it was built is in its README.md). It needs no download and is what
-    the embedded default starts from: the stand-in for an Instruct model.
-  * "tiny-weak": a weaker shipped start, assets/tiny-household-weak (the same model cloned on
-    fewer demonstrations; its README.md), for a protocol where the start fails more often;
-  * "tiny-scratch": the same architecture with random weights and a word-level tokenizer built here
-    with the `tokenizers` library over the environment's words, with a chat template (behavior
-    cloning must come first).
-"""
+"""Model and tokenizer loading (what --model accepts: docs/running.md, "Models and presets"),
+LoRA adapters, and log-probabilities of responses."""
 
 from __future__ import annotations
 
@@ -30,6 +17,10 @@ from torch import Tensor
 from common import UsageError
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+# The shipped starts (each folder's README.md says how it was built): "tiny", a 2-layer Qwen2
+# behavior-cloned on the household expert, the stand-in for an Instruct model; "tiny-weak", the
+# same cloned on fewer demonstrations, a start that fails more often. "tiny-scratch" is that
+# architecture with random weights and build_tiny_tokenizer's words: behavior cloning comes first.
 TINY_CHECKPOINT = os.path.join(ASSETS, "tiny-household")
 TINY_STARTS = {"tiny": TINY_CHECKPOINT, "tiny-weak": os.path.join(ASSETS, "tiny-household-weak")}
 TINY_NAMES = (*TINY_STARTS, "tiny-scratch")  # the models the tiny presets are for
@@ -53,8 +44,7 @@ def build_tiny_tokenizer(words: list[str]):
     from transformers import PreTrainedTokenizerFast
 
     vocab_words = (set(words) | {str(i) for i in range(100)} | set(string.ascii_lowercase)
-                   | set(string.punctuation))
-    vocab_words |= {"user", "assistant", "system"}
+                   | set(string.punctuation) | {"user", "assistant", "system"})
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_TAG_TOKENS)}
     for w in sorted(vocab_words - set(vocab)):
         vocab[w] = len(vocab)
@@ -64,8 +54,7 @@ def build_tiny_tokenizer(words: list[str]):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]"), behavior="removed",
                                              invert=True)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
-                                        pad_token="<|endoftext|>",
-                                        eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", eos_token="<|im_end|>",
                                         additional_special_tokens=["<|im_start|>"])
     tokenizer.add_tokens(TINY_TAG_TOKENS)
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
@@ -286,11 +275,48 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     return logp, mask.float(), entropy
 
 
+def next_token_losses(model, prompts: list[list[int]], responses: list[list[int]],
+                      pad_id: int) -> tuple[Tensor, Tensor]:
+    """(response loss, prompt loss): the mean next-token cross-entropy of the response tokens and
+    of the prompt tokens after each prompt's first, from one forward pass over the whole text."""
+    device = next(model.parameters()).device
+    input_ids, attention, position_ids, _, response_mask = (
+        t.to(device) for t in pad_prompt_response(prompts, responses, pad_id))
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:],
+                                            reduction="none")
+    # (B, L-1): the target and its context are real tokens
+    valid = (attention[:, 1:] * attention[:, :-1]).float()
+    # nll[:, j] scores token j + 1, so the response targets (columns P.. of input_ids) are
+    # nll[:, P-1:].
+    split = input_ids.shape[1] - response_mask.shape[1] - 1
+    response_loss = (nll[:, split:] * valid[:, split:]).sum() / valid[:, split:].sum()
+    prompt_loss = (nll[:, :split] * valid[:, :split]).sum() / valid[:, :split].sum().clamp(min=1)
+    return response_loss, prompt_loss
+
+
 def length_sorted_chunks(indices: list[int], lengths: list[int], size: int) -> list[list[int]]:
     """Split `indices` into chunks of `size` after sorting them by length, so that padding to the
     longest member of a chunk wastes little compute."""
     ordered = sorted(indices, key=lambda i: lengths[i])
     return [ordered[k:k + size] for k in range(0, len(ordered), size)]
+
+
+def scored_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+                    micro_batch_size: int, temperature: float = 1.0) -> list[Tensor]:
+    """response_logprobs without grad, in micro-batches of similar length: one (len(response),)
+    tensor per response, in the input order."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    out: list[Tensor] = [torch.empty(0)] * len(prompts)
+    with torch.no_grad():
+        for idx in length_sorted_chunks(list(range(len(prompts))), lengths, micro_batch_size):
+            logp, _, _ = response_logprobs(model, [prompts[i] for i in idx],
+                                           [responses[i] for i in idx], pad_id,
+                                           temperature=temperature)
+            for row, i in zip(logp, idx):
+                out[i] = row[:len(responses[i])]
+    return out
 
 
 def pad_rows(rows: list[Tensor], length: int) -> Tensor:

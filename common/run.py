@@ -1,9 +1,7 @@
-"""A training run's directory and everything written to it: config.json (the command and every
-setting), TensorBoard logs (and Weights & Biases with --track), base_model/ (the start, when it
-exists nowhere else), checkpoint/ (the LoRA adapter, a model card, trainer_state.pt with the
-optimizer and every process's random streams, for --resume) and summary.json (what benchmarks/
-read). The main process alone writes, but every process holds a Run and calls each method:
-Run(), keep_base and save wait for the others (a call on one process only would hang).
+"""A training run's directory and everything written to it (docs/running.md, "The run
+directory"): config.json, the TensorBoard logs, base_model/, checkpoint/ and summary.json. The
+main process alone writes, but every process holds a Run and calls each method: Run(), keep_base
+and save wait for the others (a call on one process only would hang).
 
     dist, run, train_tasks, eval_tasks = start_run(args, "proxmo.py", validate_args(args))
     model, tokenizer = run.load_model()    # --model, or the start a resumed run kept
@@ -13,15 +11,6 @@ Run(), keep_base and save wait for the others (a call on one process only would 
     run.log(stats, iteration)
     run.save(model, start_path, iteration, history, optimizer=optimizer, generator=generator)
     summary = run.finish(history)          # summary.json, the lock released, the processes ended
-
-checkpoint is a link to checkpoint-<iteration>/: a checkpoint is written whole under another
-name, renamed to checkpoint-<iteration>/, and made the run's by replacing the link (a rename,
-one step). A run killed at any moment, a save included, keeps its last complete checkpoint. A run
-holds its directory's lock (.lock) while it runs: a second run never shares a directory, and a
-run still going is not resumed.
-
-The iteration's clocks: `with timer("generation"):` anywhere adds the block's seconds to one
-clock, and timings() reads them all out (time/generation_seconds, ...) and sets them to 0.
 """
 
 from __future__ import annotations
@@ -196,12 +185,10 @@ def _flush_tree(path: str, files: bool = True) -> None:
 
 def start_run(args, script: str, errors: list[str], method: str | None = None,
               also: str = "", one_process: list[str] = ()) -> tuple[PartialState, Run, list, dict]:
-    """Every script's start, before its model: the processes (one, or those `accelerate launch`
-    started), every flag error at once as one UsageError (the script's `errors`, then what a
-    launch of several processes cannot do: launch_errors with `also`, and `one_process`), stdout
-    for the main process alone, the seeds, the Run (--resume: its checkpoint, checked), and the
-    tasks. Prints the configuration. Returns (dist, run, train_tasks, {split: its first
-    --eval-num-tasks tasks})."""
+    """Every script's start, before its model: the processes, every flag error at once as one
+    UsageError (the script's `errors`, launch_errors with `also`, and with several processes
+    `one_process`), the seeds, the Run and the tasks. Returns (dist, run, train_tasks,
+    {split: its first --eval-num-tasks tasks})."""
     dist = start_processes(args)  # one process, or one of those `accelerate launch` started
     script = os.path.basename(script)
     errors = errors + launch_errors(args, dist, script, also)
@@ -324,9 +311,7 @@ class Run:
 
     def load_model(self):
         """(model, tokenizer): --model, or on --resume the start model the run saved
-        (keep_base), in bfloat16 on a GPU and float32 on a CPU; tiny-scratch's tokenizer knows
-        the env's and the prompt's words; --lora-target-modules checked against it;
-        --gradient-checkpointing switched on."""
+        (keep_base); bfloat16 on a GPU, float32 on a CPU."""
         args = self.args
         base = self.file("base_model")
         name = base if args.resume and os.path.isdir(base) else args.model
@@ -354,9 +339,8 @@ class Run:
         return os.path.abspath(base) if os.path.isdir(base) else resolve_model_name(args.model)[0]
 
     def open(self) -> None:
-        """The run directory, its config.json (the command, every setting, the commit, torch's
-        version and threads; a resume adds its command to the first's at its first save: a
-        resume that fails before it leaves the run as it was), and the loggers."""
+        """The run directory, its config.json (a resume's command joins the first's at its first
+        save: a resume that fails before it leaves the run as it was) and the loggers."""
         if self.dist.is_main_process and not self.args.resume:
             self.path = self._new_directory()
             self._lock()  # a directory made just now: no other run holds it
@@ -368,9 +352,8 @@ class Run:
             return
         args = self.args
         config_file = self.file("config.json")
-        command = shlex.join([sys.executable, *sys.argv])
-        this = {"command": command, "commit": CODE_VERSION, "torch": torch.__version__,
-                "threads": torch.get_num_threads()}
+        this = {"command": shlex.join([sys.executable, *sys.argv]), "commit": CODE_VERSION,
+                "torch": torch.__version__, "threads": torch.get_num_threads()}
         if args.resume:  # keep the first command; a raised --iterations holds for later resumes
             with open(config_file) as f:
                 record = {**json.load(f), "args": asdict(args)}
@@ -426,12 +409,11 @@ class Run:
 
     def save(self, model, start_path: str, iteration: int, history: dict,
              adapters: dict | None = None, **trainer_state) -> None:
-        """checkpoint-<iteration>/, then the checkpoint link to it: the LoRA adapter (its config
-        naming the base model), other adapters (`adapters`, name -> model) in subfolders, a model
-        card saying how to load the policy, and trainer_state.pt for --resume: the state of every
-        object in `trainer_state` (name -> optimizer, module, generator or plain data), the
-        iteration, the history, every process's random streams and the run's seconds. A write
-        that fails stops the run on every process (RunStopped), the last checkpoint intact."""
+        """A checkpoint: the LoRA adapter (its config naming the base model), `adapters` (name ->
+        model) in subfolders, a model card, and trainer_state.pt for --resume (the state of each
+        of `trainer_state`, name -> optimizer, module, generator or plain data; the iteration,
+        history, every process's random streams, the run's seconds). A write that fails stops
+        the run on every process (RunStopped), the last checkpoint intact."""
         streams = gather_object([random_streams()])
         failed = None
         if self.dist.is_main_process:
@@ -452,9 +434,9 @@ class Run:
 
     def _write_checkpoint(self, model, start_path: str, iteration: int, history: dict,
                           adapters: dict | None, trainer_state: dict, streams: list) -> None:
-        """checkpoint-<iteration>/ written whole and flushed to disk, then the checkpoint link
-        switched to it by one rename, then the older checkpoint-*/ (and any a killed save left)
-        removed."""
+        """checkpoint-<iteration>/ written whole and flushed to disk, then made the run's by one
+        rename of the checkpoint link, then the older checkpoint-*/ removed: a run killed at any
+        moment, a save included, keeps its last complete checkpoint."""
         args, folder = self.args, f"checkpoint-{iteration}"
         path = self.file(folder + ".partial")  # whole, it is renamed to checkpoint-<iteration>
         if self.config is not None:  # a resume's command joins config.json with its first save

@@ -70,6 +70,12 @@ def encode_prompt(args, tokenizer, task: str, history: list[tuple[str, str]], ob
                      f"{args.max_prompt_tokens}; raise --max-prompt-tokens")
 
 
+def expert_response(action: str, reasoning: bool) -> str:
+    """The reply behavior cloning teaches for the expert's `action`."""
+    return (f"<think>The expert's next step.</think><action>{action}</action>" if reasoning
+            else f"<action>{action}</action>")
+
+
 ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
 
 

@@ -17,9 +17,8 @@ from common.model import load_model_and_tokenizer, response_logprobs
 from hisr import (CLOZE_TEXTS, Args, Policy, SegmentRewardHead, action_end_positions,
                   cloze_messages, cloze_texts, encode_cloze, encode_transcript,
                   keep_for_training, load_reward_models, repeats_itself, rollout,
-                  save_reward_models,
-                  score_hindsight, score_segments, segment_scores, split_heldout,
-                  trajectory_segments, train_sprm)
+                  save_reward_models, score_hindsight, score_reward_models, score_segments,
+                  segment_scores, split_heldout, trajectory_segments, train_sprm)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +162,22 @@ def test_hindsight_scores_every_reply_token(tiny):
     assert torch.allclose(traj["steps"][2]["hind_logprobs"], logp[0], atol=1e-5)
 
 
+def test_without_hindsight_the_hindsight_logprobs_are_the_policys(tiny):
+    """w/o HIM no hindsight model is read: log pi_hind = log pi_old, so every z = 1; RL reads one
+    segment a turn with --segmenter turns."""
+    args, model, tokenizer, trajs = tiny
+    trajs = copy.deepcopy(trajs)
+    for t in trajs:
+        for s in t["steps"]:
+            s["old_logprobs"] = torch.randn(len(s["response_ids"]))
+    sprm, head = random_sprm(model)
+    turns = replace(args, use_hindsight=False, segmenter="turns")
+    score_reward_models(turns, sprm, head, None, tokenizer, trajs)
+    for t in trajs:
+        assert t["seg_ids"] == list(range(len(t["steps"])))
+        assert all(torch.equal(s["hind_logprobs"], s["old_logprobs"]) for s in t["steps"])
+
+
 def test_the_collection_filter():
     """Dropped: a malformed reply, or one repeating itself; a failure that loops is kept (the
     paper keeps 92.7 % of its rollouts)."""
@@ -253,7 +268,8 @@ def test_the_update_is_spas_text():
     import hisr
     import spa
 
-    for name in ("policy_update", "score_rollouts", "policy_forward", "value_loss"):
+    for name in ("policy_update", "score_rollouts", "policy_forward", "value_loss", "policy_ratio",
+                 "final_hidden_states", "make_head", "StepSample"):
         a, b = inspect.getsource(getattr(hisr, name)), inspect.getsource(getattr(spa, name))
         assert a == b.replace("spa.py", "hisr.py"), name
 
