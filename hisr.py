@@ -15,18 +15,27 @@ reward. Two things differ from SPA:
     (1 - alpha) * that + alpha * g_t, g_t = 1 when the action was admissible (Eq. 8). The outcome
     enters only through the two reward models.
 
-Departures from the paper (no code was released; spec: `Choice:`; each with its reasons and
-details: docs/hisr.md, "Departures from the paper, in full"):
+Departures from the paper (no code was released; spec: `Choice:`; in full: docs/hisr.md,
+"Departures from the paper, in full"):
   * Segments end at environment events, not GPT-4o's; --segmenter turns: one a turn ("w/o SPR").
-  * Collection drops trajectories with a malformed reply (--collect-filter none keeps them).
-  * SPRM head W2 SiLU(W1 h), no biases, W2 zero at the start; both reward models are full
-    float32 copies, every weight trained.
-  * Their input is one chat of the episode; the cloze adds turn k's admissible actions.
-  * Eq. 5 over the rollout policy; Eq. 7 L1 times the SPRM's mass (--him-scale unit: as written).
+  * Collection drops trajectories with a malformed reply (--collect-filter none keeps them); a
+    held-out tenth of the tasks (--aux-heldout) reports the reward models' fit.
+  * SPRM head W2 SiLU(W1 h), no biases, W2 zero at the start; both reward models are full copies,
+    every weight trained.
+  * Inputs: one chat of the episode; the cloze shows all but reply k, turn k's admissible
+    actions, the outcome; float32; over --aux-max-tokens: cut, counted.
+  * Eq. 5 over the rollout policy; Eq. 7 L1 times the SPRM's mass (--him-scale sprm; unit: Eq. 7
+    as written), on the segment's last turn; --no-use-hindsight (w/o HIM): z = 1, and no
+    hindsight model is trained.
   * Grounding as a cost, alpha * (g_t - 1), Eq. 8 less a constant per turn: --grounding-form eq8.
-  * Online RL; PPO, KL (fixed 0.01) and critic as spa.py's (a value head sharing the LoRA, not the
-    spec's critic adapter), so that the two scripts differ only in their rewards.
-  * The harness's batch, tiny preset, prompts, rollouts and BC; eval at 0.4 (the paper: 0).
+  * Online RL: every iteration rolls out the current policy (the paper does not say).
+  * PPO, KL (fixed 0.01) and critic as spa.py's: a value head sharing the LoRA, not the spec's
+    separate critic adapter, so that the two scripts differ only in their rewards.
+  * Batch and tiny presets: the harness's (the spec's tiny: 16 rollouts, 4 epochs of 64, rank 8);
+    real preset: the spec's, but the harness's BC; the paper's Llama-3.2-3B-Instruct: --model.
+  * Harness prompts, rollouts, BC; eval at 0.4 (the paper: --eval-temperature 0); tiny ships
+    cloned (--bc-epochs 0), real models clone with LoRA (the paper: every weight).
+  * Not built: streaming the cloze inputs (a batch's are encoded up front).
   * Readings removed in issue 44 (commit 32ae25f has them): docs/hisr.md, "Readings removed".
 
 Run:
@@ -56,8 +65,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
-# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin. The default run takes 40 % longer on
+# 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
@@ -1028,9 +1037,9 @@ def policy_forward(model, value_head, prompts: list[list[int]], responses: list[
 class Args(HarnessArgs):
     """HISR (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
 
-    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
-    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
-    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
+    The defaults shown are those of the --model, --env and --advantage given (the dataclass
+    holds tiny's, PRESETS what the others change); the device, evaluation splits and env workers
+    follow the machine and the env. The first flags, where and how a run goes, are shared."""
 
     exp_name: str = "hisr"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
     seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
@@ -1047,8 +1056,10 @@ class Args(HarnessArgs):
     use_hindsight: bool = True  # hindsight importance z (Eqs. 5-7); off: z = 1, w/o HIM
     importance_beta: float = 0.3  # beta of Eq. 6: z = exp(mean token log-ratio / beta)
     grounding_weight: float = 0.3  # alpha of Eq. 8, the grounding term's weight; 0: w/o AGR
-    him_scale: Literal["sprm", "unit"] = "sprm"  # sprm: Eq. 7 x sum |r|; unit: Eq. 7 as written
-    grounding_form: Literal["cost", "eq8"] = "cost"  # cost: alpha(g_t - 1); eq8: alpha g_t (Eq. 8)
+    # sprm: Eq. 7 times the SPRM's L1 mass; unit: Eq. 7 as written (mass 1 per trajectory)
+    him_scale: Literal["sprm", "unit"] = "sprm"
+    # cost: alpha * (g_t - 1); eq8: alpha * g_t as written (online, pays for length)
+    grounding_form: Literal["cost", "eq8"] = "cost"
     gamma: float = 0.99  # discount of GAE
     gae_lambda: float = 0.95  # lambda of GAE
     normalize_advantages: bool = True  # whiten advantages over the batch (population variance)
@@ -1087,8 +1098,8 @@ class Args(HarnessArgs):
     minibatch_size: int = 256  # step samples per optimizer step
     micro_batch_size: int = 16  # step samples per forward pass
     max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
-    rollout_temperature: float = 1.0  # sampling temperature of training rollouts and of PPO
-    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    rollout_temperature: float = 1.0  # sampling temperature of training rollouts (PPO scores so)
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     max_new_tokens: int = 12  # response length limit
     history_length: int = 1  # past (observation, action) pairs shown in the prompt
     reasoning: bool = False  # ask for <think> reasoning before the action
@@ -1104,7 +1115,7 @@ class Args(HarnessArgs):
     bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
     bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
     bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
-    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' next-token loss in BC
     bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
     bc_batch_size: int = 8  # demonstration steps per BC update
 

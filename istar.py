@@ -55,8 +55,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
-# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin. The default run takes 40 % longer on
+# 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.nn.functional as F
@@ -363,17 +363,10 @@ def score_responses(model, tokenizer, samples: list[tuple], micro_batch_size: in
     grad, under softmax(logits / temperature). The policy's old log-probs and the PRM's come from
     this one function on the same micro-batches: while the two models are equal, so are their
     numbers, bit for bit, and every r_t is exactly 0."""
-    lengths = [len(s[0]) + len(s[1]) for s in samples]
-    out: list[Tensor] = [torch.empty(0)] * len(samples)
     model.eval()
-    with torch.no_grad():
-        for idx in length_sorted_chunks(list(range(len(samples))), lengths, micro_batch_size):
-            logp, _, _ = response_logprobs(model, [samples[i][0] for i in idx],
-                                           [samples[i][1] for i in idx], tokenizer.pad_token_id,
-                                           temperature=temperature)
-            for row, i in zip(logp.cpu(), idx):
-                out[i] = row[:len(samples[i][1])]
-    return out
+    logp = scored_logprobs(model, [s[0] for s in samples], [s[1] for s in samples],
+                           tokenizer.pad_token_id, micro_batch_size, temperature)
+    return [row.cpu() for row in logp]
 
 
 def step_rewards_per_trajectory(trajs: list[dict], prm_logp: list[Tensor],
@@ -508,9 +501,9 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 class Args(HarnessArgs):
     """iStar (and the RLOO / GRPO baselines) for multi-turn LLM agents.
 
-    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
-    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
-    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
+    The defaults shown are those of the --model, --env and --advantage given (the dataclass
+    holds tiny's, PRESETS what the others change); the device, evaluation splits and env workers
+    follow the machine and the env. The first flags, where and how a run goes, are shared."""
 
     exp_name: str = "istar"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
     seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
@@ -520,10 +513,12 @@ class Args(HarnessArgs):
     # rollout generation: transformers generate, its continuous batching, or vLLM (GPU)
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
 
-    # Advantage estimator and implicit PRM: istar (Eqs. 1-6 on the --estimator baseline), or the
-    # plain rloo / grpo baselines
+    # Advantage estimator and implicit PRM
+
+    # istar (Eqs. 1-6 on the --estimator baseline), or the plain rloo / grpo baselines
     advantage: Literal["istar", "rloo", "grpo"] = "istar"
-    estimator: Literal["rloo", "grpo"] = "rloo"  # iStar's group baseline: rloo or grpo (Eqs. 3-4)
+    # iStar's group baseline: rloo (leave-one-out, main results) or grpo (Eqs. 3-4)
+    estimator: Literal["rloo", "grpo"] = "rloo"
     step_weight: float = 1.0  # alpha, weight of the step advantage (Eq. 5); 0: --estimator alone
     beta: float = 0.05  # beta, scale of the implicit step reward (Eq. 1) and DPO logits (Eq. 2)
     traj_agg: Literal["mean", "sum"] = "mean"  # DPO trajectory score: mean r_t (code), sum (Eq. 2)
@@ -533,7 +528,7 @@ class Args(HarnessArgs):
     use_std: bool = False  # GRPO divides by the group std (the paper); off: the mean (the code)
     prm_learning_rate: float = 5e-4  # PRM's AdamW learning rate (LoRA), one DPO step per iteration
     prm_max_grad_norm: float = 10.0  # gradient-norm clip of the PRM's step (the code's 10)
-    invalid_action_penalty: float = 0.01  # subtracted from a malformed reply's advantage
+    invalid_action_penalty: float = 0.01  # off a malformed reply's advantage (e.g. no <action>)
 
     # RL
     iterations: int = 8  # training iterations; 0 = behavior cloning and the start evaluation
@@ -550,8 +545,8 @@ class Args(HarnessArgs):
     minibatch_size: int = 256  # step samples per optimizer step
     micro_batch_size: int = 16  # step samples per forward pass
     max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
-    rollout_temperature: float = 1.0  # sampling temperature of training rollouts and of PPO
-    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    rollout_temperature: float = 1.0  # sampling temperature of training rollouts (PPO scores so)
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     max_new_tokens: int = 12  # response length limit
     history_length: int = 1  # past (observation, action) pairs shown in the prompt
     reasoning: bool = False  # ask for <think> reasoning before the action
@@ -567,7 +562,7 @@ class Args(HarnessArgs):
     bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
     bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
     bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
-    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' next-token loss in BC
     bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
     bc_batch_size: int = 8  # demonstration steps per BC update
 
@@ -911,8 +906,8 @@ def main(args: Args) -> dict:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout,
                          args.lora_target_modules)
     model.print_trainable_parameters()
-    prm_params = list(prm.parameters()) if prm is not None else []
-    same_start([*model.parameters(), *prm_params], args.seed)  # data parallel: process 0's weights
+    prm_weights = list(prm.parameters()) if prm is not None else []
+    same_start([*model.parameters(), *prm_weights], args.seed)  # process 0's weights
 
     engine = make_vllm_engine(start_path, args) if args.backend == "vllm" else None
     policy = Policy(args, model, tokenizer, engine)

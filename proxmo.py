@@ -3,7 +3,7 @@
 ProxMO is GiGPO with two changes to the advantage:
   * episode level (PSC, Eqs. 5-7): the GRPO z-score of each trajectory's 0/1 outcome is scaled by a
     weight w(R, p) that depends on the group's success rate p - rare successes are pushed up a
-    little, failures in easy groups are pushed down a little;
+    little, failures in easy groups are penalised a little less;
   * step level (PSA, Eqs. 8-11): every step's baseline is a softmax(similarity / tau)-weighted mean
     of the discounted returns of all steps of its task group, the similarity being TF-IDF cosine
     between the observation texts; step advantage = own return - soft baseline. The env's
@@ -35,8 +35,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
-# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin. The default run takes 40 % longer on
+# 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
@@ -232,9 +232,9 @@ ORACLES = ("oracle", "oracle-step")
 
 def oracle_step_advantages(progress: list[Tensor], eps: float = 1e-6) -> list[Tensor]:
     """progress[i] (T_i,) of every trajectory of a batch -> (T_i,) per trajectory: the progress
-    z-scored over all the batch's steps (group_zscore: population std; all equal -> zeros).
-    A step's progress: +1 for an expert step, 0 for a detour, negative for a step to undo
-    (envs.household.label_progress); centred, a step without progress costs."""
+    z-scored over all the batch's steps (group_zscore: population std; all equal -> zeros). A
+    step's progress: +1 for an expert step, 0 for a detour, < 0 for a step to undo; centred, a
+    step without progress costs while the batch's mean progress is above 0 (on the household)."""
     flat = torch.cat([p.to(torch.float64) for p in progress])
     return list(torch.split(group_zscore(flat, eps), [len(p) for p in progress]))
 
@@ -250,7 +250,7 @@ def label_oracle_progress(args: Args, trajectories: list[dict], tasks: list) -> 
 def summarize(traj: dict) -> dict:
     """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
     steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
-    kept = ("task_type", "group", "won", "rewards", "progress")  # progress: the oracles' only
+    kept = ("task_type", "group", "won", "rewards", "progress")  # progress: read by the oracles
     return {**{k: traj[k] for k in kept if k in traj}, "steps": steps}
 
 
@@ -339,9 +339,9 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 class Args(HarnessArgs):
     """ProxMO (and the GRPO / GiGPO baselines) for multi-turn LLM agents.
 
-    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
-    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
-    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
+    The defaults shown are those of the --model, --env and --advantage given (the dataclass
+    holds tiny's, PRESETS what the others change); the device, evaluation splits and env workers
+    follow the machine and the env. The first flags, where and how a run goes, are shared."""
 
     exp_name: str = "proxmo"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
     seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
@@ -352,16 +352,16 @@ class Args(HarnessArgs):
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
 
     # Advantage estimator: proxmo (Eqs. 5-12), the baselines grpo and gigpo, or the household's
-    # oracle (section 2: an instrument)
+    # oracle (section 2): GRPO + omega * the expert's progress per step; oracle-step: progress only
     advantage: Literal["proxmo", "grpo", "gigpo", "oracle", "oracle-step"] = "proxmo"
     psc_alpha: float = 4.0  # alpha, steepness of the success-rate modulation (Eq. 6)
     psc_beta: float = 0.1  # beta, strength of that modulation (Eq. 6); 0: GRPO's episode term
     proximity_temperature: float = 0.1  # tau of the softmax over TF-IDF similarities (Eq. 10)
     gamma: float = 0.95  # discount of step returns (Eq. 8)
-    step_weight: float = 1.0  # omega, weight of the step term (Eq. 12; GiGPO's, the oracle's)
-    use_std: bool = True  # divide episode (and GiGPO anchor) advantages by the group std
+    step_weight: float = 1.0  # omega, weight of the step term (Eq. 12); 0 and --psc-beta 0: GRPO
+    use_std: bool = True  # divide episode (and GiGPO anchor) advantages by the std; off: mean only
     tfidf_max_features: int = 1024  # vocabulary size of the TF-IDF over observations (Eq. 9)
-    invalid_action_penalty: float = 0.01  # subtracted from a malformed reply's advantage
+    invalid_action_penalty: float = 0.01  # off a malformed reply's advantage (e.g. no <action>)
 
     # RL
     iterations: int = 8  # training iterations; 0 = behavior cloning and the start evaluation
@@ -378,8 +378,8 @@ class Args(HarnessArgs):
     minibatch_size: int = 256  # step samples per optimizer step
     micro_batch_size: int = 16  # step samples per forward pass
     max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
-    rollout_temperature: float = 1.0  # sampling temperature of training rollouts and of PPO
-    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    rollout_temperature: float = 1.0  # sampling temperature of training rollouts (PPO scores so)
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     max_new_tokens: int = 12  # response length limit
     history_length: int = 1  # past (observation, action) pairs shown in the prompt
     reasoning: bool = False  # ask for <think> reasoning before the action
@@ -395,7 +395,7 @@ class Args(HarnessArgs):
     bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
     bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
     bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
-    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' next-token loss in BC
     bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
     bc_batch_size: int = 8  # demonstration steps per BC update
 
@@ -432,10 +432,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (the observation it saw), "admissible" (the actions the prompt
-    listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
-    from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
-    "label"}]}.
+    None), "state" (the observation: GiGPO's and ProxMO's anchor text), "admissible" (the
+    actions the prompt listed), "action" (executed), "next_state" (the observation it got),
+    "valid" (admissible, from the env), "parsed" (the reply had an <action> tag), "well_formed"
+    (see is_well_formed), "label"}]}.
     Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,

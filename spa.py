@@ -10,13 +10,25 @@ SPA turns the sparse outcome of an episode into a dense reward per step:
     it (Eqs. 9-10), here over the exploration rollouts themselves, one pass, as the released
     code does. The outcome itself enters the reward only through the c_t.
 
-Where it departs from the paper or its released code (every departure, with the code's choice
-and why: docs/spa.md, "Departures from the paper, in full"):
-  * grounding as a cost, beta * (g_t - 1): Eq. 8 less a constant per step (--grounding-form eq8);
-  * PE: a fresh LoRA and Linear(H, 1) on the start's final-norm state (--pe-head mlp: an MLP);
-  * critic: a zero-initialised value head on the policy, LoRA shared, its own learning rate;
-  * the KL to the reference in the step reward, fixed at 0.01 (the code adapts it from 0.3);
-  * one advantage per reply, whitened over the batch; this project's prompts, BC and batches.
+Departures from the paper and its released code (spec: `Choice:`; in full: docs/spa.md,
+"Departures from the paper, in full"):
+  * PE: start weights, a fresh LoRA and Linear(H, 1) on the final-norm state (the code: full
+    fine-tuning, a head on the logits); --pe-head mlp: the paper's MLP; scores only the replies.
+  * PE training: AdamW, constant rate, no decay or warm-up, clip 1.0 (the code: lr 3e-6, warm-up,
+    decay 0.01); --pe-heldout tenth held out; rollouts over --pe-max-tokens read up to the limit.
+  * RL data: --rl-data explore (default, the code's), one pass over the exploration rollouts;
+    --rl-data online: fresh rollouts; --advantage ppo: the same rollouts, the sparse outcome.
+  * Grounding as a cost, beta * (g_t - 1): Eq. 8 less a constant per step, explore mode too (Eq. 8
+    pays for length); --grounding-form eq8 is Eq. 8 as written.
+  * Critic: zero-initialised value head on the policy, LoRA shared, own --value-learning-rate.
+  * KL to the reference in the step reward, fixed 0.01 as HISR's (the code adapts --kl-coef 0.3).
+  * One advantage per reply, whitened over the batch (population variance; the code: over tokens).
+  * g_t = 1 unless no <action> tag or "Nothing happens."; eval also logs the per-trajectory mean.
+  * Batch: the harness's, --minibatch-size steps, clip 1.0 (the code: 8 trajectories, one step
+    per epoch, no clip); real preset: 50-step limit (the code's ALFWorld: 40).
+  * Harness prompts, rollouts, BC (not ReAct); eval at 0.4 (the paper: --eval-temperature 0).
+  * --model tiny ships cloned (--bc-epochs 0); real models clone first (--bc-epochs 3, LoRA).
+  * Not built: micro-batching or checkpointing in PE training (lower --pe-batch-size).
 
 Run:
     python spa.py                           # tiny model, built-in household, CPU, minutes
@@ -43,8 +55,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
-# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin. The default run takes 40 % longer on
+# 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
@@ -580,9 +592,9 @@ def policy_forward(model, value_head, prompts: list[list[int]], responses: list[
 class Args(HarnessArgs):
     """SPA (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
 
-    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
-    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
-    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
+    The defaults shown are those of the --model, --env and --advantage given (the dataclass
+    holds tiny's, PRESETS what the others change); the device, evaluation splits and env workers
+    follow the machine and the env. The first flags, where and how a run goes, are shared."""
 
     exp_name: str = "spa"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
     seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
@@ -600,19 +612,23 @@ class Args(HarnessArgs):
     gamma: float = 0.99  # discount of GAE (the code's config)
     gae_lambda: float = 0.95  # lambda of GAE (trl's default)
     normalize_advantages: bool = True  # whiten the batch's step advantages (population variance)
-    grounding_form: Literal["cost", "eq8"] = "cost"  # cost: beta (g_t - 1); eq8: Eq. 8's beta g_t
+    # cost: beta * (g_t - 1); eq8: beta * g_t as written (online, pays for length)
+    grounding_form: Literal["cost", "eq8"] = "cost"
     kl_coef: float = 0.01  # per-step KL to the reference, subtracted from the reward; 0 skips it
     vf_coef: float = 0.1  # weight of the value loss beside the policy loss
     value_clip: float = 0.2  # value-loss clip: V moves at most this far from its rollout value
     value_learning_rate: float = 5e-3  # AdamW rate of the value head (the LoRA's: --learning-rate)
 
-    # Exploration and the progress estimator (Eqs. 5-7). RL data: explore, one pass over the
-    # exploration rollouts (the released code's); online, fresh rollouts of the current policy
+    # Exploration and the progress estimator (Eqs. 5-7)
+
+    # RL data: explore, one pass over the exploration rollouts (the released code's); online,
+    # fresh rollouts of the current policy
     rl_data: Literal["explore", "online"] = "explore"
     explore_num_tasks: int = 64  # training tasks the start policy explores; 0 = all of them
     explore_rollouts: int = 8  # M, rollouts per explored task
     explore_temperature: float = 0.7  # sampling temperature of the exploration rollouts
-    progress_model: str | None = None  # a run's trained progress_model/, for --rl-data online
+    # a trained PE (a run's progress_model/): with --rl-data online, skips its training
+    progress_model: str | None = None
     pe_epochs: int = 2  # epochs of PE training over the exploration rollouts
     pe_learning_rate: float = 1e-4  # AdamW learning rate of the PE's LoRA and head
     pe_batch_size: int = 8  # trajectories per PE update
@@ -634,8 +650,8 @@ class Args(HarnessArgs):
     minibatch_size: int = 256  # step samples per optimizer step
     micro_batch_size: int = 16  # step samples per forward pass
     max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
-    rollout_temperature: float = 1.0  # sampling temperature of training rollouts and of PPO
-    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    rollout_temperature: float = 1.0  # sampling temperature of training rollouts (PPO scores so)
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     max_new_tokens: int = 12  # response length limit
     history_length: int = 1  # past (observation, action) pairs shown in the prompt
     reasoning: bool = False  # ask for <think> reasoning before the action
@@ -651,7 +667,7 @@ class Args(HarnessArgs):
     bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
     bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
     bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
-    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' next-token loss in BC
     bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
     bc_batch_size: int = 8  # demonstration steps per BC update
 

@@ -36,7 +36,11 @@ paper, or choices where it is silent (in full: docs/sspo.md, "Departures from th
   * A child repeating its parent's or a sibling's state is trained on, not pushed.
   * Group advantages divide by the Bessel std (--no-use-std: centred only); no group of one.
   * --no-backtracking restarts from the task's first state when the branch ends [reconstructed].
-  * LoRA, a larger learning rate, no entropy bonus.
+  * --fixed-novelty-weight (w/o adaptive w; 0.25 a guess), --no-novelty-reward,
+    --no-score-difference-reward, --uniform-rollouts (the gate still cuts): ablations.
+  * LoRA, a larger learning rate, no entropy bonus; ppo_clip_loss keeps the harness's arg names.
+  * The household snapshots each branch; ALFWorld replays a branch from a reset (slow).
+  * Evaluation plays plain one-sample episodes (no table, no search), as the paper's.
 
 Run:
     python sspo.py                          # tiny model, built-in household, CPU, minutes
@@ -62,8 +66,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep instead of spinning, which halves the default
-# run beside a busy process (docs/performance.md, "The default run"). Your own setting wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin. The default run takes 40 % longer on
+# 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate import PartialState
@@ -448,9 +452,9 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 class Args(HarnessArgs):
     """3SPO (and the GRPO baseline) for multi-turn LLM agents.
 
-    --help shows the defaults of the --model, --env and --advantage given: the tiny model's
-    below, PRESETS' for the others; the device, evaluation splits and env workers follow the
-    machine and the env. Where and how the run goes: HarnessArgs, common/config.py."""
+    The defaults shown are those of the --model, --env and --advantage given (the dataclass
+    holds tiny's, PRESETS what the others change); the device, evaluation splits and env workers
+    follow the machine and the env. The first flags, where and how a run goes, are shared."""
 
     exp_name: str = "sspo"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
     seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
@@ -463,7 +467,8 @@ class Args(HarnessArgs):
     # Estimator: sspo, 3SPO's ranked DFS with an update after every round (Eqs. 1-4), or the
     # GRPO baseline on whole episodes (proxmo.py's)
     advantage: Literal["sspo", "grpo"] = "sspo"
-    lambda_schedule: Literal["log", "gui"] = "log"  # Eq. 1: alpha ln t, or the GUI loop's lambda_t
+    # Eq. 1's lambda_t: log, alpha ln t (ALFWorld code), or gui (GUI loop) [reconstructed]
+    lambda_schedule: Literal["log", "gui"] = "log"
     score_alpha: float = 0.25  # lambda_t = alpha ln t (Eq. 1; alpha chosen on valid, docs/sspo.md)
     lambda_horizon: float = 10_000.0  # gui: horizon in finished paths (the GUI loop's T / alpha)
     lambda_base: float = 1.0  # gui: lambda_t's limit (the GUI loop's)
@@ -472,7 +477,8 @@ class Args(HarnessArgs):
     success_threshold: float = 0.1  # zeta: a success rate above it keeps the gate open (Eq. 1)
     novelty_decay: float = 0.1  # k of the novelty weight w = 0.5 exp(-k N) (Eq. 2)
     max_rollouts: int = 8  # K_max: actions sampled at a state of score 1 (Eq. 3)
-    step_invalid_penalty: float = 0.1  # sspo: subtracted from a malformed reply's step reward
+    # sspo: subtracted from a malformed reply's step reward before normalising
+    step_invalid_penalty: float = 0.1
     max_paths: int = 8  # sspo: a task's search stops after this many finished paths
     generations_per_task: int | None = None  # sspo: a search's action budget (None: 8 x max steps)
     share_states_across_tasks: bool = True  # states keyed by observation, not per task (the code)
@@ -501,7 +507,7 @@ class Args(HarnessArgs):
     micro_batch_size: int = 16  # step samples per forward pass
     max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
     rollout_temperature: float = 1.0  # sampling temperature of rollouts and the search, and of PPO
-    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; rollouts never truncate)
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     max_new_tokens: int = 12  # response length limit
     history_length: int = 1  # past (observation, action) pairs shown in the prompt
     reasoning: bool = False  # ask for <think> reasoning before the action
@@ -517,7 +523,7 @@ class Args(HarnessArgs):
     bc_full_params: bool = True  # train every weight during BC instead of a LoRA adapter
     bc_num_tasks: int = 400  # training tasks the expert plays for BC demonstrations
     bc_noise: float = 0.2  # share of demonstration steps that execute a mistake (label: expert's)
-    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' loss in BC (see bc_loss)
+    bc_prompt_loss_weight: float = 1.0  # weight of the prompt tokens' next-token loss in BC
     bc_learning_rate: float = 2e-3  # AdamW learning rate of behavior cloning
     bc_batch_size: int = 8  # demonstration steps per BC update
 

@@ -27,17 +27,17 @@ class HarnessArgs:
     A script's Args extends this class, so --help lists these first (as CleanRL's do)."""
 
     device: str = "cpu"  # torch device (cuda when available, else cpu)
-    deterministic: bool = True  # deterministic torch kernels (CUDA: benchmarks/gpu_check.py)
+    deterministic: bool = True  # deterministic torch kernels (free on CPU; CUDA: gpu_check.py)
     run_dir: str = "runs"  # where run directories are created
     resume: str | None = None  # run to continue; only --iterations, --device, timeouts may differ
     track: bool = False  # also log to Weights & Biases (it syncs the TensorBoard logs)
     wandb_project: str = "llm-agent-credit-assignment"  # Weights & Biases project of --track
     env_workers: int = 0  # processes that step a batch's games at once (0: this process)
-    process_timeout_minutes: float = 120.0  # data parallel: how long a process waits for others
+    process_timeout_minutes: float = 120.0  # data parallel: wait for the others (NCCL's own: 10)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, slower
     max_prompt_tokens: int = 2048  # prompt length limit; longer prompts lose oldest history first
     vllm_gpu_memory_utilization: float = 0.35  # GPU memory vLLM may take (the rest: the trainer)
-    vllm_sleep: bool = False  # vLLM: weights to host, KV cache freed during each update
+    vllm_sleep: bool = False  # vLLM: weights to host, KV cache freed in each update (small GPUs)
 
 
 def preset_args(Args, presets: dict, model: str = "tiny", env: str = "household",

@@ -70,21 +70,6 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers
 
 
 
-def noisy_expert(game, history: list, noise: float, rng: random.Random) -> tuple[str | None, str]:
-    """(label, command) of the expert's next step, for behavior-cloning demonstrations. label:
-    the expert's command, None once it has given up (it then only looks around). command, the
-    one executed: the label with probability 1 - noise; else, half the time, the previous command
-    of `history` ((observation, command) pairs) again (the typical mistake, usually answered
-    "Nothing happens."), and otherwise a random admissible one."""
-    label = game.expert_action()
-    if label is None:
-        return None, "look"
-    if rng.random() >= noise:
-        return label, label
-    if history and rng.random() < 0.5:
-        return label, history[-1][1]
-    return label, rng.choice(game.admissible_actions())
-
 _POOLS: dict = {}  # worker count -> WorkerPool, kept for the run
 
 
@@ -105,3 +90,19 @@ def vocabulary(env_name: str) -> list[str]:
     if env_name == "household":
         return household.vocabulary()
     return alfworld_env.vocabulary()
+
+
+def noisy_expert(game, history: list, noise: float, rng: random.Random) -> tuple[str | None, str]:
+    """(label, command) of the expert's next step, for behavior-cloning demonstrations. label:
+    the expert's command, None once it has given up (it then only looks around). command, the
+    one executed: the label with probability 1 - noise; else, half the time, the previous command
+    of `history` ((observation, command) pairs) again (the typical mistake, usually answered
+    "Nothing happens."), and otherwise a random admissible one."""
+    label = game.expert_action()
+    if label is None:
+        return None, "look"
+    if rng.random() >= noise:
+        return label, label
+    if history and rng.random() < 0.5:
+        return label, history[-1][1]
+    return label, rng.choice(game.admissible_actions())

@@ -15,8 +15,9 @@ from common import UsageError
 from common.envbatch import EnvBatch
 from common.generation import hf_generate
 from common.model import (add_lora, eos_token_ids, load_lora,
-                          load_model_and_tokenizer, merge_lora, pad_prompt_response,
-                          resolve_model_name, response_logprobs)
+                          load_model_and_tokenizer, merge_lora, next_token_losses,
+                          pad_prompt_response, resolve_model_name, response_logprobs,
+                          scored_logprobs)
 from envs.text import PROMPT_WORDS, is_well_formed, parse_action
 
 VOCAB = envs.vocabulary("household") + PROMPT_WORDS
@@ -121,6 +122,56 @@ def test_response_logprobs_at_a_temperature_are_those_of_the_tempered_policy(tin
     expected = [tempered[2, 8].item(), tempered[3, 9].item()]
     assert torch.allclose(logp[0], torch.tensor(expected), atol=1e-5)
     assert not torch.allclose(logp[0], torch.log_softmax(logits, -1)[[2, 3], [8, 9]], atol=1e-3)
+
+
+def test_scored_logprobs_are_response_logprobs_in_input_order_without_grad(tiny):
+    """Micro-batches of 2 sorted by length give each response's rows of one padded pass, trimmed
+    to its length, back in the input order."""
+    model, _ = tiny
+    prompts, responses = [[5, 6, 7, 8], [9], [10, 11]], [[12, 13, 14], [15], [16, 17]]
+    scored = scored_logprobs(model, prompts, responses, pad_id=0, micro_batch_size=2,
+                             temperature=0.5)
+    assert [len(r) for r in scored] == [3, 1, 2] and not any(r.requires_grad for r in scored)
+    for p, r, row in zip(prompts, responses, scored):
+        alone, _, _ = response_logprobs(model, [p], [r], pad_id=0, temperature=0.5)
+        assert torch.allclose(row, alone[0], atol=1e-5)
+
+
+def test_next_token_losses_split_one_forward_at_the_response(tiny):
+    """The response loss is the mean NLL of the response tokens; the prompt loss that of every
+    prompt token after the first, worked out from an unpadded forward per pair."""
+    model, _ = tiny
+    prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11], [12]]
+    response_loss, prompt_loss = next_token_losses(model, prompts, responses, pad_id=0)
+    response_nll, prompt_nll = [], []
+    for p, r in zip(prompts, responses):
+        ids = p + r
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        nll = [-logp[j - 1, ids[j]].item() for j in range(1, len(ids))]
+        prompt_nll += nll[:len(p) - 1]
+        response_nll += nll[len(p) - 1:]
+    assert response_loss.item() == pytest.approx(sum(response_nll) / 3, abs=1e-5)
+    assert prompt_loss.item() == pytest.approx(sum(prompt_nll) / 3, abs=1e-5)
+
+
+def test_noisy_expert_labels_the_experts_step_and_sometimes_executes_a_mistake():
+    """noise 0: the expert's own command; noise 1: the previous command or a random admissible
+    one, the label still the expert's; an expert that gave up only looks around."""
+    import random
+
+    game = envs.make_game("household", envs.list_tasks("household", "train")[0], 30, expert=True)
+    game.reset()
+    expert = game.expert_action()
+    assert envs.noisy_expert(game, [], 0.0, random.Random(0)) == (expert, expert)
+    history = [("an observation", "the previous command")]
+    commands = {envs.noisy_expert(game, history, 1.0, random.Random(k))[1] for k in range(40)}
+    assert "the previous command" in commands
+    assert commands - {"the previous command"} <= set(game.admissible_actions())
+    assert len(commands) > 2
+    assert {envs.noisy_expert(game, history, 1.0, random.Random(k))[0]
+            for k in range(40)} == {expert}
+    game.expert_action = lambda: None  # gave up
+    assert envs.noisy_expert(game, history, 1.0, random.Random(0)) == (None, "look")
 
 
 def _rows_through(model):
