@@ -711,10 +711,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
 
     Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
     [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
-    None), "state" (the observation it saw), "admissible" (the actions the prompt
-    listed), "action" (executed), "next_state" (the observation it got), "valid" (admissible,
-    from the env), "parsed" (the reply had an <action> tag), "well_formed" (see is_well_formed),
-    "label"}]}.
+    None), "state" (the observation: GiGPO's and ProxMO's anchor text), "admissible" (the
+    actions the prompt listed), "action" (executed), "next_state" (the observation it got),
+    "valid" (admissible, from the env), "parsed" (the reply had an <action> tag), "well_formed"
+    (see is_well_formed), "label"}]}.
     Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
