@@ -609,7 +609,7 @@ class StepSample(NamedTuple):
     prompt: list[int]  # token ids
     response: list[int]  # token ids
     advantage: float
-    old_logprobs: list[float] | None  # of the response as sampled; None: scored in the update
+    old_logprobs: list[float] | None  # as sampled (every training rollout records them) or None
 
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSample],
@@ -643,7 +643,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
-        # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
+        # This process's members (mini.mine) in micro-batches, any order: the gradient is a sum.
         for idx in length_sorted_chunks(mini.mine, lengths, mb):
             logp, mask, entropy = response_logprobs(
                 model, [prompts[i] for i in idx], [responses[i] for i in idx], pad,

@@ -943,7 +943,7 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
-        # A mini-batch's gradient is a sum over its samples: micro-batches may go in any order.
+        # This process's members (mini.mine) in micro-batches, any order: the gradient is a sum.
         for idx in length_sorted_chunks(mini.mine, lengths, mb):
             logp, mask, entropy, values = policy_forward(
                 model, value_head, [samples[i].prompt for i in idx],
