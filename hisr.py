@@ -82,7 +82,7 @@ from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (TINY_NAMES, add_lora, length_sorted_chunks, load_lora, merge_lora,
                           next_token_losses, pad_prompt_response, pad_rows,
-                          response_logprobs)
+                          response_logprobs, scored_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, start_run, timer, timings
 from envs.text import (PROMPT_INTRO, encode_prompt, expert_response, is_well_formed,
@@ -808,14 +808,10 @@ def score_hindsight(args: Args, hindsight, tokenizer, trajs: list[dict]) -> int:
     numerator), into every step. Returns how many cloze inputs were cut to fit."""
     steps = [s for t in trajs for s in t["steps"]]
     samples = cloze_samples(args, tokenizer, trajs, list(range(len(trajs))))
-    lengths = [len(s[0]) + len(s[1]) for s in samples]
-    with torch.no_grad():
-        for idx in length_sorted_chunks(list(range(len(samples))), lengths,
-                                        args.micro_batch_size):
-            logp, _, _ = response_logprobs(hindsight, [samples[i][0] for i in idx],
-                                           [samples[i][1] for i in idx], tokenizer.pad_token_id)
-            for row, i in zip(logp.cpu(), idx):
-                steps[i]["hind_logprobs"] = row[:len(samples[i][1])]
+    logp = scored_logprobs(hindsight, [s[0] for s in samples], [s[1] for s in samples],
+                           tokenizer.pad_token_id, args.micro_batch_size)
+    for step, row in zip(steps, logp, strict=True):
+        step["hind_logprobs"] = row.cpu()
     return sum(s[3] for s in samples)
 
 
