@@ -770,6 +770,9 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
              f"eval_{split}/tasks": len(trajs)}
     for task_type, wins in sorted(by_type.items()):
         stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
+    # Per task, by its index in the split: [index, won 0/1, steps] (kept, not logged).
+    stats[f"eval_{split}/outcomes"] = sorted([t["group"], int(t["won"]), len(t["steps"])]
+                                             for t in trajs)
     return stats
 
 
@@ -924,7 +927,8 @@ def main(args: Args) -> dict:
         policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
         for split, tasks in eval_tasks.items():
             t0 = time.time()
-            stats = evaluate(args, policy, split, tasks)
+            # At 0 with --start-evaluations: the start's stored evaluation, if one matches.
+            stats = run.evaluation(split, iteration, lambda: evaluate(args, policy, split, tasks))
             run.log(stats, iteration)
             history.setdefault(iteration, {}).update(stats)
             progress.write_evaluation(stats, split, iteration, time.time() - t0)

@@ -226,8 +226,9 @@ def gigpo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], states:
 # The oracle: the household's expert knows how many steps each state is from a win, which no
 # real benchmark tells; its progress as step credit is the ceiling of step credit here
 # (docs/learning.md). oracle: GRPO's episode term + omega * z-scored progress; oracle-step: the
-# z-scored progress alone.
-ORACLES = ("oracle", "oracle-step")
+# z-scored progress alone; placebo: the oracle with its step values shuffled across the batch's
+# steps (its scale and density, none of its information: a lead over it is credit).
+ORACLES = ("oracle", "oracle-step", "placebo")
 
 
 def oracle_step_advantages(progress: list[Tensor], eps: float = 1e-6) -> list[Tensor]:
@@ -237,6 +238,15 @@ def oracle_step_advantages(progress: list[Tensor], eps: float = 1e-6) -> list[Te
     step without progress costs while the batch's mean progress is above 0 (on the household)."""
     flat = torch.cat([p.to(torch.float64) for p in progress])
     return list(torch.split(group_zscore(flat, eps), [len(p) for p in progress]))
+
+
+def placebo_step_advantages(progress: list[Tensor], permutation: Tensor,
+                            eps: float = 1e-6) -> list[Tensor]:
+    """progress[i] (T_i,) of every trajectory of a batch, permutation (M,) of the M = sum T_i
+    flattened steps -> (T_i,) per trajectory: oracle_step_advantages' values, step k getting the
+    value of step permutation[k] (trajectory-major order)."""
+    flat = torch.cat(oracle_step_advantages(progress, eps))
+    return list(torch.split(flat[permutation], [len(p) for p in progress]))
 
 
 def label_oracle_progress(args: Args, trajectories: list[dict], tasks: list) -> None:
@@ -254,17 +264,22 @@ def summarize(traj: dict) -> dict:
     return {**{k: traj[k] for k in kept if k in traj}, "steps": steps}
 
 
-def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
+def compute_advantages(args: Args, trajectories: list[dict],
+                       generator: torch.Generator | None = None) -> list[Tensor]:
     """Per-step advantages (T_i,) of every trajectory of a batch with the chosen estimator (the
-    oracles read each trajectory's "progress"); then every estimator's one penalty rule: the
+    oracles read each trajectory's "progress"; the placebo draws its permutation from
+    `generator`, the same on every process); then every estimator's one penalty rule: the
     --invalid-action-penalty comes off each malformed reply's final advantage, exactly."""
     outcomes = [float(t["won"]) for t in trajectories]
     rewards = [torch.tensor(t["rewards"], dtype=torch.float64) for t in trajectories]
     states = [[s["state"] for s in t["steps"]] for t in trajectories]
     groups = [t["group"] for t in trajectories]
     if args.advantage in ORACLES:
-        progress = oracle_step_advantages(
-            [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories])
+        labels = [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories]
+        progress = oracle_step_advantages(labels)
+        if args.advantage == "placebo":
+            permutation = torch.randperm(sum(len(p) for p in labels), generator=generator)
+            progress = placebo_step_advantages(labels, permutation)
     if args.advantage == "proxmo":
         advantages = proxmo_batch_advantages(
             outcomes, rewards, states, groups, max_features=args.tfidf_max_features,
@@ -288,7 +303,7 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> list[Tensor]:
                 advs = [episode[k].expand(len(rewards[i])) for k, i in enumerate(idx)]
             for i, a in zip(idx, advs):
                 advantages[i] = a
-        if args.advantage == "oracle":
+        if args.advantage in ("oracle", "placebo"):
             advantages = [a + args.step_weight * p for a, p in zip(advantages, progress)]
     malformed = [torch.tensor([not s["well_formed"] for s in t["steps"]], dtype=torch.float64)
                  for t in trajectories]
@@ -352,8 +367,9 @@ class Args(HarnessArgs):
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
 
     # Advantage estimator: proxmo (Eqs. 5-12), the baselines grpo and gigpo, or the household's
-    # oracle (section 2): GRPO + omega * the expert's progress per step; oracle-step: progress only
-    advantage: Literal["proxmo", "grpo", "gigpo", "oracle", "oracle-step"] = "proxmo"
+    # oracle (section 2): GRPO + omega * the expert's progress per step; oracle-step: progress
+    # only; placebo: the oracle's values shuffled across the batch's steps
+    advantage: Literal["proxmo", "grpo", "gigpo", "oracle", "oracle-step", "placebo"] = "proxmo"
     psc_alpha: float = 4.0  # alpha, steepness of the success-rate modulation (Eq. 6)
     psc_beta: float = 0.1  # beta, strength of that modulation (Eq. 6); 0: GRPO's episode term
     proximity_temperature: float = 0.1  # tau of the softmax over TF-IDF similarities (Eq. 10)
@@ -598,6 +614,9 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
              f"eval_{split}/tasks": len(trajs)}
     for task_type, wins in sorted(by_type.items()):
         stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
+    # Per task, by its index in the split: [index, won 0/1, steps] (kept, not logged).
+    stats[f"eval_{split}/outcomes"] = sorted([t["group"], int(t["won"]), len(t["steps"])]
+                                             for t in trajs)
     return stats
 
 
@@ -732,7 +751,8 @@ def main(args: Args) -> dict:
         policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
         for split, tasks in eval_tasks.items():
             t0 = time.time()
-            stats = evaluate(args, policy, split, tasks)
+            # At 0 with --start-evaluations: the start's stored evaluation, if one matches.
+            stats = run.evaluation(split, iteration, lambda: evaluate(args, policy, split, tasks))
             run.log(stats, iteration)
             history.setdefault(iteration, {}).update(stats)
             progress.write_evaluation(stats, split, iteration, time.time() - t0)
@@ -757,7 +777,7 @@ def main(args: Args) -> dict:
                 label_oracle_progress(args, trajs, tasks)
             batch = gather_object([summarize(t) for t in trajs])
             first = my_groups.start * args.group_size
-            batch_advantages = compute_advantages(args, batch)
+            batch_advantages = compute_advantages(args, batch, generator)
             advantages = batch_advantages[first:first + len(trajs)]
         samples = [StepSample(s["prompt"], s["response_ids"], float(a), s["logprobs"])
                    for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]

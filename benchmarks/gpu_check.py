@@ -224,8 +224,20 @@ def main(argv: list[str]) -> str:
         return run_script(label, command, runs_dir, args.device, os.path.join(out, "logs"),
                           args.timeout)
 
-    rows = [run(script, backend, f"{script} {backend}")
-            for script in args.scripts for backend in backends]
+    def save(rows: list[dict]) -> str:
+        """The table so far, written after every run: a check cut short keeps its rows."""
+        text = "\n".join(lines + table(rows, "GPU" if on_gpu else "RSS")
+                         + ["", f"Logs of every run: {os.path.join(out, 'logs')}"])
+        with open(os.path.join(out, "gpu_check.md"), "w") as f:
+            f.write(text + "\n")
+        return text
+
+    rows = []
+    save(rows)  # the throughput tables
+    for script in args.scripts:
+        for backend in backends:
+            rows.append(run(script, backend, f"{script} {backend}"))
+            save(rows)
     first = rows[0] if rows else None
     if first and first["label"].startswith("proxmo.py") and first.get("run_dir"):
         resume = [sys.executable, os.path.join(ROOT, "proxmo.py"), "--resume",
@@ -233,15 +245,12 @@ def main(argv: list[str]) -> str:
         rows.append(run_script(f"{first['label']} --resume (iteration 3)", resume,
                                os.path.dirname(first["run_dir"]), args.device,
                                os.path.join(out, "logs"), args.timeout))
+        save(rows)
         if on_gpu:  # on CPU torch's deterministic kernels cost nothing measurable
             backend = first["label"].split()[1]
             rows.append(run("proxmo.py", backend, f"{first['label']} --no-deterministic",
                             "--no-deterministic"))
-    lines += table(rows, "GPU" if on_gpu else "RSS")
-    lines += ["", f"Logs of every run: {os.path.join(out, 'logs')}"]
-    text = "\n".join(lines)
-    with open(os.path.join(out, "gpu_check.md"), "w") as f:
-        f.write(text + "\n")
+    text = save(rows)
     print(text)
     if not all(r["passed"] for r in rows):
         raise SystemExit(1)

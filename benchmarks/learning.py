@@ -9,20 +9,26 @@ seed is the method's gain minus its baseline's. Tables give means +- standard er
 / sqrt(seeds)); a method "beats" its baseline only when the paired difference exceeds two
 standard errors over at least 6 seeds, anything less is "not distinguishable".
 
-Resumable: each finished run leaves a small record (evaluations, per-iteration training success,
-minutes) under --results, and a run whose record or summary exists is read, not run again, so a
-table of many runs can be built over several sittings (commit the records).
+Resumable: each finished run leaves a small record (evaluations with every task's outcome,
+per-iteration training success, minutes) under --results, and a run whose record or summary
+exists is read, not run again, so a table of many runs can be built over several sittings (commit
+the records); a run cut off goes on from its last checkpoint. Runs go seed by seed (each seed's
+arms together), and two processes on one results folder share the work: each run is locked while
+it runs, and the other process takes the next. The arms of a seed share one start evaluation
+(--start-evaluations of the scripts, kept beside the records in starts/).
 
 Choose hyperparameters with --split valid; the test split is for the final tables only.
 
     python benchmarks/learning.py                                   # ProxMO, GRPO, GiGPO x 6 seeds
     python benchmarks/learning.py --script spa.py                   # SPA and its PPO baseline
     python benchmarks/learning.py --estimators proxmo --split valid -- --learning-rate 1e-3
+    python benchmarks/learning.py --estimators oracle grpo --iterations 60 --eval-every 20
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -32,6 +38,11 @@ import shlex
 import subprocess
 import sys
 import time
+
+try:
+    import fcntl  # a run's lock while it runs (POSIX); without it two processes may run one run
+except ImportError:
+    fcntl = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -55,7 +66,7 @@ ESTIMATORS = {"proxmo.py": ["proxmo", "grpo", "gigpo"], "spa.py": ["spa", "ppo"]
               "sspo.py": ["sspo", "grpo"]}
 # Each method's own baseline in its script, for the paired differences.
 BASELINE = {"proxmo": "grpo", "gigpo": "grpo", "spa": "ppo", "istar": "rloo", "hisr": "ppo",
-            "sspo": "grpo", "oracle": "grpo", "oracle-step": "grpo"}
+            "sspo": "grpo", "oracle": "grpo", "oracle-step": "grpo", "placebo": "grpo"}
 MIN_SEEDS = 6  # fewer seeds: no claim, however large the difference
 
 
@@ -104,6 +115,28 @@ def read_json(path: str, remedy: str) -> dict:
     if not isinstance(value, dict):
         refuse(f"{path} is damaged (not a JSON object); {remedy}")
     return value
+
+
+def check_record(record: dict, split: str, where: str) -> None:
+    """A record the tables can read: evaluations at "0" and later, each with a success, grounding
+    and episode length of `split` that are finite numbers in range; refused by name otherwise."""
+    evaluations = record.get("evaluations")
+    damaged = f"{where} is damaged"
+    if not isinstance(evaluations, dict) or "0" not in evaluations:
+        refuse(f"{damaged}: no start evaluation (\"0\"); delete it and run it again")
+    if not all(k.isdigit() for k in evaluations) or len(evaluations) < 2:
+        refuse(f"{damaged}: its evaluations are {sorted(evaluations)}, not the start and later "
+               "iterations; delete it and run it again")
+    limits = {"success": 1.0, "grounding": 1.0, "episode_length": float("inf")}
+    for iteration, stats in evaluations.items():
+        for name, top in limits.items():
+            value = stats.get(f"eval_{split}/{name}") if isinstance(stats, dict) else None
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not 0 <= value <= top):
+                refuse(f"{damaged}: iteration {iteration}'s eval_{split}/{name} is {value!r} "
+                       "(not a number in range); delete it and run it again")
+    if not isinstance(record.get("minutes"), (int, float)) or not math.isfinite(record["minutes"]):
+        refuse(f"{damaged}: minutes is {record.get('minutes')!r}; delete it and run it again")
 
 
 def training_curve(run_path: str, tag: str = "rollout/success") -> list[float]:
@@ -203,9 +236,11 @@ def flag_errors(script: str, estimators: list[str], seeds: list[int], split: str
 
 
 def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: int,
-            runs_dir: str, records_dir: str, flags: list[str]) -> dict:
+            runs_dir: str, records_dir: str, flags: list[str], eval_every: int | None = None,
+            starts: str | None = None) -> dict | None:
     """One training run's record: read from records_dir, else made from a finished run in
-    runs_dir, else the run is started there (its log beside it) and then recorded."""
+    runs_dir, else the run is started there, or resumed from its last checkpoint (its log beside
+    it), and then recorded. None when another process is running it now."""
     record_file = os.path.join(records_dir, run_name(estimator, seed) + ".json")
     if os.path.isfile(record_file):
         record = read_json(record_file, "delete it: the run's directory makes it again, or the "
@@ -221,6 +256,7 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
                 estimator, str(seed)):
             refuse(f"{record_file}: its command {record.get('command')!r} is not {estimator} "
                    f"seed {seed}'s")
+        check_record(record, split, record_file)
         print(f"  {run_name(estimator, seed)}: recorded", flush=True)
         return record
     run_dir = os.path.join(runs_dir, run_name(estimator, seed))
@@ -228,30 +264,68 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
                "--seed", str(seed), "--eval-splits", split,
                "--eval-num-tasks", str(eval_num_tasks), "--run-dir", run_dir, *flags]
     iterations = _last_value(command, "--iterations")
-    if iterations is not None:  # evaluate only at the start and the end
-        command += ["--eval-every", iterations]
-    summaries = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")))
-    if summaries:  # finished, with no record yet
-        print(f"  {run_name(estimator, seed)}: finished in {run_dir}", flush=True)
-    else:  # an unfinished run is started again, in a run directory of its own
-        print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", flush=True)
-        os.makedirs(runs_dir, exist_ok=True)
-        log_file = os.path.join(runs_dir, run_name(estimator, seed) + ".log")
-        with open(log_file, "w") as log:
-            result = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        if result.returncode != 0:
-            with open(log_file) as f:
-                tail = f.read()[-2000:]
-            raise SystemExit(f"run failed (exit {result.returncode}), log {log_file}:\n{tail}")
+    if iterations is not None:  # evaluate at the start, every eval_every and at the end
+        command += ["--eval-every", str(eval_every or iterations)]
+    if starts:
+        command += ["--start-evaluations", starts]
+    os.makedirs(runs_dir, exist_ok=True)
+    with run_lock(os.path.join(runs_dir, run_name(estimator, seed) + ".lock")) as mine:
+        if not mine:
+            print(f"  {run_name(estimator, seed)}: running in another process; skipped",
+                  flush=True)
+            return None
         summaries = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")))
-    record = make_record(summaries[-1], script, estimator, seed, split, eval_num_tasks, flags)
-    os.makedirs(records_dir, exist_ok=True)
-    write_json(record_file, record)  # whole or not at all
+        if summaries:  # finished, with no record yet
+            print(f"  {run_name(estimator, seed)}: finished in {run_dir}", flush=True)
+        else:
+            summaries = [start_or_resume(command, run_dir, runs_dir, run_name(estimator, seed))]
+        record = make_record(summaries[-1], script, estimator, seed, split, eval_num_tasks, flags)
+        check_record(record, split, summaries[-1])
+        os.makedirs(records_dir, exist_ok=True)
+        write_json(record_file, record)  # whole or not at all
     evaluations = record["evaluations"]
     start, end = evaluations["0"], evaluations[max(evaluations, key=int)]
     print(f"  start {start[f'eval_{split}/success']:.3f} -> end {end[f'eval_{split}/success']:.3f}"
           f" ({record['minutes']:.1f} min)", flush=True)
     return record
+
+
+@contextlib.contextmanager
+def run_lock(path: str):
+    """Yields whether this process holds the lock file `path` (held until the block ends; the
+    system frees it however the process ends)."""
+    if fcntl is None:
+        yield True
+        return
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def start_or_resume(command: list[str], run_dir: str, runs_dir: str, name: str) -> str:
+    """Runs `command`, or resumes the newest unfinished run in run_dir that kept a checkpoint
+    (the rest of its command is its config.json's); returns the summary.json it leaves."""
+    unfinished = sorted(glob.glob(os.path.join(run_dir, "*", "checkpoint", "trainer_state.pt")),
+                        key=os.path.getmtime)
+    if unfinished:
+        path = os.path.dirname(os.path.dirname(unfinished[-1]))
+        command = [*command[:2], "--resume", path, "--iterations",
+                   _last_value(command, "--iterations")]
+    log_file = os.path.join(runs_dir, name + ".log")
+    print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", flush=True)
+    with open(log_file, "a" if unfinished else "w") as log:
+        result = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        with open(log_file) as f:
+            tail = f.read()[-2000:]
+        raise SystemExit(f"run failed (exit {result.returncode}), log {log_file}:\n{tail}")
+    summaries = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")),
+                       key=os.path.getmtime)
+    return summaries[-1]
 
 
 def finished(records_dir: str, runs_dir: str, estimator: str, seed: int) -> bool:
@@ -324,6 +398,36 @@ def paired_differences(split: str, results: dict[str, dict[int, dict]]) -> dict[
         if seeds:
             out[method] = {"baseline": baseline, "seeds": seeds, "differences": differences}
     return out
+
+
+def curve_table(split: str, results: dict[str, dict[int, dict]]) -> str:
+    """Markdown: at every evaluation all runs share, each estimator's mean success and gain, and
+    each method's paired difference to its baseline with its verdict."""
+    key = f"eval_{split}/success"
+    records = [r for runs in results.values() for r in runs.values()]
+    common = sorted(set.intersection(*(set(r["evaluations"]) for r in records)), key=int)[1:]
+    lines = ["| iteration | estimator | seeds | success | gain +- SE | paired with baseline +- SE "
+             "| verdict |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for iteration in common:
+        for estimator, runs in results.items():
+            gains = {seed: r["evaluations"][iteration][key] - r["evaluations"]["0"][key]
+                     for seed, r in runs.items()}
+            success, _ = mean_and_se([r["evaluations"][iteration][key] for r in runs.values()])
+            mean, se = mean_and_se(list(gains.values()))
+            paired, judged = "", ""
+            baseline = BASELINE.get(estimator)
+            if baseline in results:
+                base = results[baseline]
+                differences = [gains[seed] - (base[seed]["evaluations"][iteration][key]
+                                              - base[seed]["evaluations"]["0"][key])
+                               for seed in sorted(set(runs) & set(base))]
+                if differences:
+                    d_mean, d_se = mean_and_se(differences)
+                    paired = f"{d_mean:+.3f} +- {d_se:.3f} ({len(differences)} seeds)"
+                    judged = verdict(differences)
+            lines.append(f"| {iteration} | {estimator} | {len(runs)} | {success:.3f} | "
+                         f"{mean:+.3f} +- {se:.3f} | {paired} | {judged} |")
+    return "\n".join(lines)
 
 
 def paired_table(pairs: dict[str, dict]) -> str:
@@ -402,6 +506,10 @@ def main(argv: list[str]) -> str:
                         help="evaluation split, every task of it (default test; tune on valid)")
     parser.add_argument("--eval-num-tasks", type=int, default=0,
                         help="first tasks of --split to evaluate (default 0 = all: the protocol)")
+    parser.add_argument("--iterations", type=int, default=20,
+                        help="training iterations of every run (default 20: the protocol's)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="evaluate every this many iterations too (default: at the end only)")
     parser.add_argument("--results", default=None,
                         help="records, table.md and learning.png (default benchmarks/results/"
                              "learning/<split>/<script>, with the extra flags in the name)")
@@ -422,40 +530,68 @@ def main(argv: list[str]) -> str:
         args.estimators = ESTIMATORS[args.script]
     if args.eval_num_tasks < 0:
         parser.error("--eval-num-tasks must be >= 0")
+    if not 1 <= args.iterations <= 100_000:
+        parser.error("--iterations must be in [1, 100000]")
+    if args.eval_every is not None and not 1 <= args.eval_every <= args.iterations:
+        parser.error(f"--eval-every must be in [1, --iterations {args.iterations}]")
+    if "--eval-every" in extra:
+        parser.error("--eval-every is learning.py's own flag: give it before --")
+    protocol = ["--iterations", str(args.iterations), *PROTOCOL_FLAGS[2:]]
+
     def places(script: str) -> tuple[list[str], str, str]:
         """A script's protocol flags, records directory and runs directory."""
-        named = extra + ([f"eval{args.eval_num_tasks}"] if args.eval_num_tasks else [])
+        named = ([f"iterations{args.iterations}"] if protocol != PROTOCOL_FLAGS else []) + extra
+        named += [f"eval{args.eval_num_tasks}"] if args.eval_num_tasks else []
         where = os.path.join(args.split, script)
         if named:  # runs with other flags are other runs
             where = os.path.join(where, "-".join(re.sub(r"[^\w.=-]+", "", e.lstrip("-"))
                                                  for e in named))
         records = args.results or os.path.join(RESULTS, where)
-        return (PROTOCOL_FLAGS + SCRIPT_FLAGS.get(script, []) + extra, records,
+        return (protocol + SCRIPT_FLAGS.get(script, []) + extra, records,
                 os.path.abspath(os.path.join(args.runs, where)))
 
     flags, records_dir, runs_dir = places(args.script)
     errors = flag_errors(args.script, args.estimators, args.seeds, args.split, flags)
     if errors:
         parser.error("\n".join(errors))
-    results: dict[str, dict[int, dict]] = {}
+    # The arms of a seed share one start evaluation, kept beside the records.
+    starts = os.path.abspath(os.path.join(args.results, "starts") if args.results
+                             else os.path.join(RESULTS, args.split, "starts"))
+    scripts = {}
     for estimator in args.estimators:
-        script = args.script
+        scripts[estimator] = args.script
         if (args.script, estimator) in SHARED and not extra and args.results is None:
-            script = SHARED[args.script, estimator]
-            print(f"{estimator}: {script}'s runs (the same update)", flush=True)
-        run_flags, run_records, run_runs = places(script)
-        for seed in args.seeds:
+            scripts[estimator] = SHARED[args.script, estimator]
+            print(f"{estimator}: {scripts[estimator]}'s runs (the same update)", flush=True)
+    results: dict[str, dict[int, dict]] = {estimator: {} for estimator in args.estimators}
+    for seed in args.seeds:  # seed by seed: a sitting cut short leaves whole pairs
+        for estimator in args.estimators:
+            script = scripts[estimator]
+            run_flags, run_records, run_runs = places(script)
             if args.finished_only and not finished(run_records, run_runs, estimator, seed):
                 continue
-            results.setdefault(estimator, {})[seed] = run_one(
-                script, estimator, seed, args.split, args.eval_num_tasks, run_runs,
-                run_records, run_flags)
+            record = run_one(script, estimator, seed, args.split, args.eval_num_tasks, run_runs,
+                             run_records, run_flags, args.eval_every, starts)
+            if record is not None:
+                results[estimator][seed] = record
+    for estimator in args.estimators:  # runs another process finished meanwhile
+        run_flags, run_records, run_runs = places(scripts[estimator])
+        for seed in args.seeds:
+            if seed not in results[estimator] and os.path.isfile(
+                    os.path.join(run_records, run_name(estimator, seed) + ".json")):
+                results[estimator][seed] = run_one(
+                    scripts[estimator], estimator, seed, args.split, args.eval_num_tasks,
+                    run_runs, run_records, run_flags, args.eval_every, starts)
+    results = {estimator: runs for estimator, runs in results.items() if runs}
     if not results:
         raise SystemExit(f"no finished run in {records_dir} or {runs_dir}")
     pairs = paired_differences(args.split, results)
     markdown = table(args.script, args.split, results)
     if pairs:
         markdown += "\n\n" + paired_table(pairs)
+    if args.eval_every:
+        markdown += "\n\n" + curve_table(args.split, results)
+    os.makedirs(records_dir, exist_ok=True)
     with open(os.path.join(records_dir, "table.md"), "w") as f:
         seeds = sorted({seed for runs in results.values() for seed in runs})
         f.write(f"flags: {' '.join(flags)}; seeds {seeds}; split {args.split}\n\n"

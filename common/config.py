@@ -29,6 +29,9 @@ class HarnessArgs:
     device: str = "cpu"  # torch device (cuda when available, else cpu)
     deterministic: bool = True  # deterministic torch kernels (free on CPU; CUDA: gpu_check.py)
     run_dir: str = "runs"  # where run directories are created
+    # folder of start evaluations shared by runs of one start, seed and evaluation settings: one
+    # that matches is read instead of played; else the run's own is written there
+    start_evaluations: str | None = None
     resume: str | None = None  # run to continue; only --iterations, --device, timeouts may differ
     track: bool = False  # also log to Weights & Biases (it syncs the TensorBoard logs)
     wandb_project: str = "llm-agent-credit-assignment"  # Weights & Biases project of --track

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
@@ -102,6 +103,19 @@ def code_version() -> str:
 # The code this process runs, read when it is imported: a commit made while a long run goes on
 # is not the code it runs.
 CODE_VERSION = code_version()
+# What, besides the start's weights, decides a start evaluation (--start-evaluations).
+EVALUATION_SETTINGS = ("env", "seed", "eval_num_tasks", "eval_temperature", "eval_top_p",
+                       "max_episode_steps", "max_new_tokens", "max_prompt_tokens",
+                       "history_length", "reasoning", "backend", "device", "deterministic")
+
+
+def weights_digest(model) -> str:
+    """sha256 of a model's weights (every state_dict entry's name and bytes, sorted by name)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 _CLOCKS: defaultdict[str, float] = defaultdict(float)  # this process's, since timings()
@@ -222,6 +236,7 @@ class Run:
         self.path = args.resume or os.path.join(args.run_dir, name)
         self.checkpoint = os.path.join(self.path, "checkpoint")  # the link to the last one
         self.writer, self.lock, self.began, self.seconds = None, None, None, 0.0
+        self.start_weights = None  # weights_digest of the start, for --start-evaluations
         self.config = None  # config.json's content while it waits to be written
         if args.resume:
             self._take_lock()  # before anything is read: a run still going is not resumed
@@ -290,7 +305,10 @@ class Run:
         if "streams" not in state:  # saved by one process before data parallel existed
             state["streams"] = [{"python": state["python_rng"], "numpy": state["numpy_rng"],
                                  "torch": state["torch_rng"], "cuda": state["cuda_rng"]}]
-        if state["iteration"] >= self.args.iterations:
+        finished = os.path.isfile(self.file("summary.json"))
+        # A run stopped after its last checkpoint and before its summary resumes to finish.
+        if state["iteration"] > self.args.iterations or (
+                state["iteration"] == self.args.iterations and finished):
             raise UsageError(f"--resume {resume}: the run already did {state['iteration']} "
                              "iterations; pass a larger --iterations to continue it")
         if len(state["streams"]) != self.dist.num_processes:
@@ -336,7 +354,43 @@ class Run:
                 model.save_pretrained(base)
                 tokenizer.save_pretrained(base)
             self.dist.wait_for_everyone()
+        if args.start_evaluations and not args.resume:
+            self.start_weights = weights_digest(model)
         return os.path.abspath(base) if os.path.isdir(base) else resolve_model_name(args.model)[0]
+
+    def evaluation(self, split: str, iteration: int, evaluate) -> dict:
+        """evaluate()'s stats. At iteration 0 with --start-evaluations: the stored evaluation of
+        the same script, split, start weights and EVALUATION_SETTINGS when there is one (no game
+        is played: every arm of a seed shares one start evaluation), else evaluate()'s, stored
+        there for the next run."""
+        args = self.args
+        if iteration != 0 or not args.start_evaluations or self.start_weights is None:
+            return evaluate()
+        key = {"script": self.script, "split": split, "start_weights": self.start_weights,
+               **{name: getattr(args, name) for name in EVALUATION_SETTINGS}}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+        name = f"{os.path.splitext(self.script)[0]}-{split}-seed{args.seed}-{digest}.json"
+        path = os.path.join(args.start_evaluations, name)
+        stored = None
+        if self.dist.is_main_process and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    stored = json.load(f)
+            except ValueError as e:
+                raise UsageError(f"--start-evaluations: {path} is damaged ({e}); delete it "
+                                 "and the next run evaluates its start again") from None
+            if not isinstance(stored, dict) or stored.get("key") != key:
+                raise UsageError(f"--start-evaluations: {path} is not this run's start "
+                                 "evaluation (its key differs); delete it")
+        stored = broadcast_object_list([stored])[0]
+        if stored is not None:
+            print(f"start evaluation of {split}: {path} (same start, seed and settings)")
+            return stored["stats"]
+        stats = evaluate()
+        if self.dist.is_main_process:
+            os.makedirs(args.start_evaluations, exist_ok=True)
+            write_json(path, {"key": key, "commit": CODE_VERSION, "stats": stats})
+        return stats
 
     def open(self) -> None:
         """The run directory, its config.json (a resume's command joins the first's at its first
@@ -391,7 +445,8 @@ class Run:
     def log(self, stats: dict, step: int) -> None:
         if self.writer is not None:
             for k, v in stats.items():
-                self.writer.add_scalar(k, v, step)
+                if not isinstance(v, (list, tuple)):  # per-task lists stay in the history
+                    self.writer.add_scalar(k, v, step)
 
     def restore(self, **trainer_state) -> tuple[int, dict]:
         """(iteration, history) to go on from: (0, {}) for a new run. On --resume, the

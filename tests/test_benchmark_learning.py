@@ -90,8 +90,13 @@ def test_the_protocol_runs_at_a_tiny_size_and_resumes_from_its_records(tmp_path)
     records = tmp_path / "records"
     assert sorted(os.listdir(records)) == ["grpo-seed1.json", "grpo-seed2.json",
                                            "learning.png", "proxmo-seed1.json",
-                                           "proxmo-seed2.json", "table.md"]
+                                           "proxmo-seed2.json", "starts", "table.md"]
+    # One start evaluation per seed, shared by both arms: their records hold the same one.
+    assert len(os.listdir(records / "starts")) == 2
     record = json.loads((records / "proxmo-seed1.json").read_text())
+    baseline = json.loads((records / "grpo-seed1.json").read_text())
+    assert record["evaluations"]["0"] == baseline["evaluations"]["0"]
+    assert len(record["evaluations"]["0"]["eval_valid/outcomes"]) == 4  # [task, won, steps]
     assert record["flags"] == PROTOCOL_FLAGS + ["--iterations", "1", "--tasks-per-iteration",
                                                 "2", "--group-size", "2",
                                                 "--max-episode-steps", "5"]

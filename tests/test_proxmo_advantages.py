@@ -11,7 +11,8 @@ import torch
 
 from proxmo import (Args, compute_advantages, cosine_similarity, discounted_returns,
                     gigpo_group_advantages, gigpo_step_advantages, grpo_advantages, group_zscore,
-                    k3_kl, oracle_step_advantages, ppo_clip_loss, proximity_baselines,
+                    k3_kl, oracle_step_advantages, placebo_step_advantages, ppo_clip_loss,
+                    proximity_baselines,
                     proxmo_batch_advantages, proxmo_episode_advantages, proxmo_group_advantages,
                     proxmo_step_advantages, psc_weights, tfidf_vectors)
 
@@ -369,6 +370,42 @@ def test_oracle_progress_that_is_all_equal_gives_no_step_credit():
     oracle = compute_advantages(Args(advantage="oracle"), batch)
     grpo = compute_advantages(Args(advantage="grpo"), batch)
     assert all(torch.equal(a, b) for a, b in zip(oracle, grpo))
+
+
+def test_placebo_advantages_by_hand(monkeypatch):
+    """The oracle's z-scored progress of the batch above (1.697747, -1.212676, 0.242535 |
+    -1.212676 | 0.242535, 0.242535), step k taking step permutation[k]'s value: with (5, 4, 3,
+    2, 1, 0) the batch reads backwards, (0.242535, 0.242535, -1.212676 | 0.242535 | -1.212676,
+    1.697747). placebo at omega 0.5 adds half of that to GRPO's episode term (0.999998,
+    -0.999998, 0): (1.121266, 1.121266, 0.393660 | -0.999998 + 0.121268 - 0.01 = -0.888730 |
+    -0.606338, 0.848874)."""
+    progress = [torch.tensor(p, dtype=torch.float64) for p in ([2, 0, 1], [0], [1, 1])]
+    backwards = torch.tensor([5, 4, 3, 2, 1, 0])
+    check_all(placebo_step_advantages(progress, backwards),
+              [[0.242535, 0.242535, -1.212676], [0.242535], [-1.212676, 1.697747]])
+    with monkeypatch.context() as patch:  # compute_advantages draws exactly this permutation
+        patch.setattr(torch, "randperm", lambda n, generator=None: backwards)
+        placebo = compute_advantages(Args(advantage="placebo", step_weight=0.5), oracle_batch(),
+                                     torch.Generator())
+    check_all(placebo, [[1.121266, 1.121266, 0.393660], [-0.888730], [-0.606338, 0.848874]])
+
+
+def test_the_placebo_shuffles_the_oracles_values_with_its_generator():
+    """The generator's permutation: the same seed gives the same advantages, another seed
+    others, and their step values are the oracle's, in another order."""
+    def placebo(seed):
+        return compute_advantages(Args(advantage="placebo", step_weight=1.0),
+                                  oracle_batch(), torch.Generator().manual_seed(seed))
+
+    grpo = compute_advantages(Args(advantage="grpo"), oracle_batch())
+    runs = {seed: [a - g for a, g in zip(placebo(seed), grpo)] for seed in (0, 1, 2, 3)}
+    assert all(torch.equal(a, b) for a, b in zip(placebo(0), placebo(0)))
+    flat = {seed: torch.cat(steps) for seed, steps in runs.items()}
+    assert len({tuple(v.tolist()) for v in flat.values()}) > 1
+    oracle = sorted(torch.cat(oracle_step_advantages(
+        [torch.tensor(p, dtype=torch.float64) for p in ([2, 0, 1], [0], [1, 1])])).tolist())
+    for values in flat.values():
+        assert sorted(values.tolist()) == pytest.approx(oracle, abs=1e-12)
 
 
 def test_batch_with_two_interleaved_groups_matches_batch_level_reference():
