@@ -571,7 +571,7 @@ class Args(HarnessArgs):
     eval_every: int = 8  # iterations between evaluations, besides iteration 0 and the last
     eval_num_tasks: int = 200  # first tasks of each split to evaluate; 0 = the whole split
     eval_temperature: float = 0.4  # sampling temperature of evaluation (the papers'; 0: greedy)
-    save_every: int = 10  # iterations between checkpoints (the last iteration is always saved)
+    save_every: int = 2  # iterations between checkpoints (the last iteration is always saved)
 
 
 PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's

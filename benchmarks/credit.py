@@ -674,6 +674,8 @@ def main(argv: list[str]) -> list[dict]:
     for flag in ("dpo_steps", "search_paths"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if args.group_size > 1024:  # the scripts' own bound: more cannot be played in memory
+        parser.error(f"--group-size must be <= 1024 (got {args.group_size})")
     if args.num_tasks > len(envs.list_tasks("household", "train")):
         parser.error(f"--num-tasks {args.num_tasks}: the household has fewer training tasks")
     if args.temperature is not None and not (math.isfinite(args.temperature)

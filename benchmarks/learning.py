@@ -46,6 +46,7 @@ except ImportError:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import envs  # noqa: E402
 from common.run import write_json  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "learning")  # the committed records
 # The protocol's training budget on top of the script's tiny defaults, fixed beforehand so that a
@@ -190,9 +191,10 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
             "train_success": training_curve(run_path)}
 
 
-# Settings that depend on the machine or on a resume, not on the script's defaults.
+# Settings that depend on the machine or on a resume, or change no number of a run, not on the
+# script's defaults.
 MACHINE = ("resume", "iterations", "device", "env_workers", "process_timeout_minutes",
-           "deterministic")
+           "deterministic", "save_every", "start_evaluations")
 
 
 def script_module(script: str):
@@ -528,8 +530,10 @@ def main(argv: list[str]) -> str:
         if args.script not in ESTIMATORS:
             parser.error(f"--script {args.script}: name its --advantage values with --estimators")
         args.estimators = ESTIMATORS[args.script]
-    if args.eval_num_tasks < 0:
-        parser.error("--eval-num-tasks must be >= 0")
+    split_size = len(envs.list_tasks("household", args.split))
+    if not 0 <= args.eval_num_tasks <= split_size:
+        parser.error(f"--eval-num-tasks must be in [0, {split_size}] (0 = all {split_size} "
+                     f"{args.split} tasks)")
     if not 1 <= args.iterations <= 100_000:
         parser.error("--iterations must be in [1, 100000]")
     if args.eval_every is not None and not 1 <= args.eval_every <= args.iterations:

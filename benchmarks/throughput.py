@@ -263,6 +263,13 @@ def main(argv: list[str]) -> str:
                 "--new-tokens": args.new_tokens, "--repeats": args.repeats,
                 "--micro-batch": args.micro_batch, "--iteration-tasks": args.iteration_tasks}
     bad = [f"{flag} must be >= 1 (got {value})" for flag, value in positive.items() if value < 1]
+    # Sizes no machine can hold: refused before the model loads, not as an allocation error.
+    largest = {"batch": 4096, "prompt_tokens": 131072, "new_tokens": 32768, "micro_batch": 4096,
+               "update_batch": 4096, "repeats": 1000, "iteration_tasks": 1024}
+    for name, top in largest.items():
+        value = getattr(args, name)
+        if value > top:
+            bad.append(f"--{name.replace('_', '-')} must be <= {top} (got {value})")
     if args.update_batch < 0:
         bad.append(f"--update-batch must be >= 0 (got {args.update_batch})")
     if args.layers is not None and args.layers < 1:
@@ -312,8 +319,12 @@ def main(argv: list[str]) -> str:
             "yes" if replies == reference else
             f"{sum(a == b for a, b in zip(replies, reference))}/{len(replies)}")
         call = args.batch * args.new_tokens / seconds
-        decode = args.batch * (args.new_tokens - 1) / max(seconds - prompt_pass, 1e-9)
-        lines.append(f"| {backend} | {args.batch} | {call:,.0f} | {decode:,.0f} | {bound:,.0f} | "
+        # Decoding's time is the call's less its prompt pass; on a busy machine the difference
+        # of two noisy timings can vanish, and then no rate is claimed.
+        decoding = seconds - prompt_pass
+        decode = args.batch * (args.new_tokens - 1) / decoding if decoding > 0 else float("nan")
+        rate = "not measurable" if math.isnan(decode) else f"{decode:,.0f}"
+        lines.append(f"| {backend} | {args.batch} | {call:,.0f} | {rate} | {bound:,.0f} | "
                      f"{decode / bound:.3f} | {same} | {device_name} |")
     if args.update_batch:
         print("timing the update ...", file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import sys
+import types
 import typing
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -110,6 +111,11 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
     if unknown:
         raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
                          f"the script does not know: {', '.join(unknown)}")
+    damaged = saved_value_errors(Args, saved)
+    if damaged:
+        raise UsageError(f"--resume {known.resume}: {config_file} is damaged ("
+                         f"{'; '.join(damaged)}); a run's config.json is written by the script, "
+                         "never by hand")
     defaults = asdict(preset_args(Args, presets, saved.get("model", "tiny"),
                                   saved.get("env", "household"), saved.get("advantage")))
     merged = {**defaults, **saved}
@@ -129,24 +135,54 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
     return args
 
 
+def _fits(value, hint) -> bool:
+    """Whether a JSON value can be the value of a field typed `hint`."""
+    origin, options = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return value in options
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in options)
+    if origin in (tuple, list):
+        return isinstance(value, (list, tuple)) and all(_fits(v, options[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value))
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def saved_value_errors(Args, saved: dict) -> list[str]:
+    """The settings of a saved configuration whose values their fields cannot hold (a string
+    seed, a null step count, a NaN rate), one each."""
+    hints = typing.get_type_hints(Args)
+    return [f"{name} is {value!r}" for name, value in saved.items()
+            if name in hints and not _fits(value, hints[name])]
+
+
 # The harness's ranges, the same in every script; a script adds its method's. A range is ">= x",
 # "> x" or an interval "in [x, y)" (brackets as in mathematics), then optionally a hint; None
 # passes (an unset optional value).
 RANGES = {
-    "seed": "in [0, 2**32)", "iterations": ">= 0", "tasks_per_iteration": ">= 1",
-    "group_size": ">= 1", "max_episode_steps": ">= 1",
-    "env_workers": ">= 0 (0 = step the games in this process)", "learning_rate": "> 0",
+    "seed": "in [0, 2**32)", "iterations": "in [0, 10**6]", "tasks_per_iteration": ">= 1",
+    "group_size": "in [1, 1024]", "max_episode_steps": "in [1, 10000]",
+    "env_workers": "in [0, 256] (0 = step the games in this process)",
+    "learning_rate": "in (0, 1]",
     "weight_decay": ">= 0", "clip_eps": "in (0, 1)", "clip_ratio_c": "> 1", "kl_coef": ">= 0",
     "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "minibatch_size": ">= 1",
     "micro_batch_size": ">= 1", "max_grad_norm": "> 0",
     "rollout_temperature": "> 0: the N trajectories of a group must be sampled",
-    "eval_top_p": "in (0, 1]", "max_new_tokens": ">= 1", "max_prompt_tokens": ">= 1",
-    "history_length": ">= 0", "lora_r": ">= 1", "lora_alpha": "> 0", "lora_dropout": "in [0, 1)",
+    "eval_top_p": "in (0, 1]", "max_new_tokens": "in [1, 32768]",
+    "max_prompt_tokens": "in [1, 131072]", "history_length": ">= 0", "lora_r": "in [1, 1024]", "lora_alpha": "> 0", "lora_dropout": "in [0, 1)",
     "bc_epochs": ">= 0", "bc_num_tasks": ">= 1", "bc_noise": "in [0, 1]",
-    "bc_prompt_loss_weight": ">= 0", "bc_learning_rate": "> 0", "bc_batch_size": ">= 1",
+    "bc_prompt_loss_weight": ">= 0", "bc_learning_rate": "in (0, 1]", "bc_batch_size": ">= 1",
     "eval_every": ">= 1", "eval_num_tasks": ">= 0 (0 = the whole split)",
     "eval_temperature": ">= 0 (0 = greedy)", "save_every": ">= 1",
-    "vllm_gpu_memory_utilization": "in (0, 1]", "process_timeout_minutes": "> 0",
+    "vllm_gpu_memory_utilization": "in (0, 1]", "process_timeout_minutes": "in (0, 10080]",
 }
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py, MaxLoRARanks
 
@@ -194,6 +230,8 @@ def errors(args, ranges: dict[str, str]) -> list[str]:
         (a.model not in TINY_STARTS or a.env == "household",
          f"--model {a.model} knows only the household's words; for --env {a.env} use --model "
          "tiny-scratch (words from ALFWorld's grammar) or a real one, e.g. Qwen2.5-1.5B-Instruct"),
+        (a.exp_name not in ("", ".", "..") and "/" not in a.exp_name and os.sep not in a.exp_name,
+         f"--exp-name {a.exp_name!r}: a name, not a path (the run goes under --run-dir)"),
         (len(a.eval_splits) >= 1, "--eval-splits needs at least one split"),
         (all(s in envs.SPLITS[a.env] for s in a.eval_splits),
          f"--eval-splits must be among {', '.join(envs.SPLITS[a.env])} for --env {a.env}"),
@@ -210,9 +248,14 @@ def errors(args, ranges: dict[str, str]) -> list[str]:
 def run_command_line(main, parse_args) -> None:
     """`python <script>.py ...`: main(parse_args(its flags)). A bad flag or value (UsageError)
     ends with one line on stderr and exit status 2, a non-finite loss (FloatingPointError) or a
-    run that cannot go on (RunStopped) with exit status 1."""
+    run that cannot go on (RunStopped) with exit status 1, Ctrl-C with how to resume (130)."""
     try:
         main(parse_args(sys.argv[1:]))
     except (UsageError, FloatingPointError, RunStopped) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, UsageError) else 1)
+    except KeyboardInterrupt:  # Ctrl-C: how to go on, not a traceback
+        from common.run import interrupted
+
+        print(f"\n{interrupted()}", file=sys.stderr)
+        sys.exit(130)

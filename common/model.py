@@ -101,6 +101,7 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
         model = build_tiny_model(len(tokenizer), seed=seed)
         return model.to(device=device, dtype=dtype), tokenizer
 
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     if name in TINY_STARTS and not os.path.isdir(TINY_STARTS[name]):
@@ -116,8 +117,8 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
             tokenizer = _load_tokenizer(candidate, local_files_only=cache_only)
             model = AutoModelForCausalLM.from_pretrained(candidate, dtype=dtype,
                                                          local_files_only=cache_only)
-        except (OSError, ValueError) as e:
-            reason = str(e).splitlines()[0]
+        except (OSError, ValueError, SafetensorError) as e:  # missing, or damaged on disk
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             if cache_only:
                 reason = f"the hub is unreachable (offline), local cache only: {reason}"
             errors.append(f"  {candidate}: {reason}")
@@ -214,9 +215,18 @@ def load_lora(model, path: str):
     """Attach a saved adapter (trainable) to a base model."""
     from peft import PeftModel
 
+    from safetensors import SafetensorError
+
     if not os.path.isfile(os.path.join(path, "adapter_config.json")):
         raise UsageError(f"no LoRA adapter at {path} (adapter_config.json missing)")
-    return PeftModel.from_pretrained(model, path, is_trainable=True)
+    if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+        raise UsageError(f"no LoRA adapter at {path} (adapter_model.safetensors missing)")
+    try:  # a damaged file: one line naming it, not the library's traceback
+        return PeftModel.from_pretrained(model, path, is_trainable=True)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError) as e:
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise UsageError(f"the LoRA adapter at {path} cannot be loaded ({type(e).__name__}: "
+                         f"{reason})") from None
 
 
 def merge_lora(model):

@@ -176,6 +176,52 @@ def write_json(path: str, value) -> None:
     os.replace(partial, path)
 
 
+CHECKSUMS = "checksums.json"  # a checkpoint's files and their sha256, written last
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksums(folder: str) -> dict[str, str]:
+    """Every file under `folder` (relative path -> sha256), but the checksums file."""
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, folder)
+            if relative != CHECKSUMS:
+                found[relative] = _sha256(path)
+    return found
+
+
+def checksum_errors(folder: str) -> list[str]:
+    """What in `folder` differs from its checksums file: a file missing or changed since the
+    save; [] when all agree or when there is no checksums file (a checkpoint saved before
+    checksums)."""
+    listed = os.path.join(folder, CHECKSUMS)
+    if not os.path.isfile(listed):
+        return []
+    try:
+        with open(listed) as f:
+            expected = json.load(f)
+        assert isinstance(expected, dict)
+    except (ValueError, AssertionError):
+        return [f"{CHECKSUMS} cannot be read"]
+    errors = []
+    for relative, digest in sorted(expected.items()):
+        path = os.path.join(folder, relative)
+        if not os.path.isfile(path):
+            errors.append(f"{relative} is missing")
+        elif _sha256(path) != digest:
+            errors.append(f"{relative} differs from what was saved")
+    return errors
+
+
 def _flush_tree(path: str, files: bool = True) -> None:
     """Every file under `path` (with files) and the directory itself on disk, not only in the
     page cache: what a rename then points to survives a crash of the machine too."""
@@ -197,12 +243,28 @@ def _flush_tree(path: str, files: bool = True) -> None:
         os.close(fd)
 
 
+def interrupted() -> str:
+    """What to say when the user stops a run (Ctrl-C): how to go on from its last checkpoint."""
+    run = Run.opened
+    if run is None:
+        return "interrupted before the run directory was made; nothing was kept"
+    command = f"python {run.script} --resume {run.path}"
+    if not os.path.exists(run.checkpoint):
+        return (f"interrupted before the first checkpoint of {run.path}; start the run again "
+                f"(or save sooner with --save-every)")
+    state = os.path.join(run.checkpoint, "trainer_state.pt")
+    iteration = torch.load(state, weights_only=False).get("iteration", "?")
+    return f"interrupted; the last checkpoint is iteration {iteration}. Resume with: {command}"
+
+
 def start_run(args, script: str, errors: list[str], method: str | None = None,
               also: str = "", one_process: list[str] = ()) -> tuple[PartialState, Run, list, dict]:
     """Every script's start, before its model: the processes, every flag error at once as one
     UsageError (the script's `errors`, launch_errors with `also`, and with several processes
     `one_process`), the seeds, the Run and the tasks. Returns (dist, run, train_tasks,
     {split: its first --eval-num-tasks tasks})."""
+    if any(e.startswith("--process-timeout-minutes") for e in errors):
+        raise UsageError("\n".join(errors))  # no process group can start with that timeout
     dist = start_processes(args)  # one process, or one of those `accelerate launch` started
     script = os.path.basename(script)
     errors = errors + launch_errors(args, dist, script, also)
@@ -228,6 +290,8 @@ class Run:
     """runs/<exp-name>__<env>__<method>__<seed>__<time>, or the --resume directory; with --resume,
     `state` is its checkpoint's trainer_state.pt, checked before anything is written."""
 
+    opened = None  # this process's open Run, for the message of an interrupted run
+
     def __init__(self, args, script: str, method: str | None = None):
         self.args, self.script, self.dist = args, script, PartialState()
         method = method or args.advantage
@@ -237,6 +301,7 @@ class Run:
         self.checkpoint = os.path.join(self.path, "checkpoint")  # the link to the last one
         self.writer, self.lock, self.began, self.seconds = None, None, None, 0.0
         self.start_weights = None  # weights_digest of the start, for --start-evaluations
+        self.base_weights = None  # weights_digest of the base the adapter trains on (keep_base)
         self.config = None  # config.json's content while it waits to be written
         if args.resume:
             self._take_lock()  # before anything is read: a run still going is not resumed
@@ -261,9 +326,10 @@ class Run:
             raise UsageError(f"--run-dir {run_dir}: {existing} is not writable")
 
     def _take_lock(self) -> None:
-        """The main process holds the run directory's .lock until the run finishes or the
-        process ends (the system frees it whatever the way out, kill -9 included). Every
-        process calls it: refused on all when another process holds the lock."""
+        """The main process holds a lock on the run directory itself until the run finishes or
+        the process ends (the system frees it whatever the way out, kill -9 included; no file
+        to delete, none left behind). Every process calls it: refused on all when another
+        process holds the lock."""
         refused = self._lock() if self.dist.is_main_process else None
         refused = broadcast_object_list([refused])[0]
         if refused:
@@ -273,19 +339,19 @@ class Run:
         """The main process's part of _take_lock: None, or why the lock is not ours."""
         if fcntl is None:
             return None
-        self.lock = open(self.file(".lock"), "a")
+        self.lock = os.open(self.path, os.O_RDONLY)
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.release()
             return (f"--resume {self.path}: the run is still going (another process holds its "
-                    ".lock); stop it first, or wait for it")
+                    "lock); stop it first, or wait for it")
         return None
 
     def release(self) -> None:
         """Lets go of the run directory's lock."""
         if self.lock is not None:
-            self.lock.close()
+            os.close(self.lock)
             self.lock = None
 
     def _resume_state(self) -> dict:
@@ -297,11 +363,20 @@ class Run:
             raise UsageError(f"--resume {resume}: no checkpoint/trainer_state.pt in it")
         if not os.path.isfile(os.path.join(self.checkpoint, "adapter_config.json")):
             raise UsageError(f"--resume {resume}: its checkpoint has no adapter_config.json")
+        damaged = checksum_errors(os.path.realpath(self.checkpoint))
+        if damaged:
+            raise UsageError(f"--resume {resume}: its checkpoint is damaged ({'; '.join(damaged)})"
+                             "; it cannot be resumed as it was saved")
         try:
             state = torch.load(file, weights_only=False)
         except Exception as e:  # a file damaged by hand or by the disk: torch's error names none
             raise UsageError(f"--resume {resume}: {file} cannot be read ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        missing = [k for k in ("iteration", "history") if not isinstance(state, dict)
+                   or k not in state]
+        if missing:
+            raise UsageError(f"--resume {resume}: {file} lacks {', '.join(missing)}; it is not a "
+                             "checkpoint this script wrote")
         if "streams" not in state:  # saved by one process before data parallel existed
             state["streams"] = [{"python": state["python_rng"], "numpy": state["numpy_rng"],
                                  "torch": state["torch_rng"], "cuda": state["cuda_rng"]}]
@@ -332,6 +407,10 @@ class Run:
         (keep_base); bfloat16 on a GPU, float32 on a CPU."""
         args = self.args
         base = self.file("base_model")
+        if args.resume and not os.path.isdir(base) and (args.bc_epochs > 0
+                                                         or args.model == "tiny-scratch"):
+            raise UsageError(f"--resume {self.path}: its base_model/ (the start it cloned) is "
+                             "missing; the run cannot go on without it")
         name = base if args.resume and os.path.isdir(base) else args.model
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         vocabulary = None
@@ -354,8 +433,16 @@ class Run:
                 model.save_pretrained(base)
                 tokenizer.save_pretrained(base)
             self.dist.wait_for_everyone()
+        # The base is part of the checkpoint's identity: a resume on other weights is refused.
+        self.base_weights = weights_digest(model)
+        saved = (self.state or {}).get("base_weights")
+        if saved is not None and saved != self.base_weights:
+            raise UsageError(f"--resume {self.path}: the start model loaded now ("
+                             f"{'its base_model/' if os.path.isdir(base) else args.model}) is "
+                             "not the one the run trained on (its weights differ); restore the "
+                             "run's base_model/ or the model it named")
         if args.start_evaluations and not args.resume:
-            self.start_weights = weights_digest(model)
+            self.start_weights = self.base_weights
         return os.path.abspath(base) if os.path.isdir(base) else resolve_model_name(args.model)[0]
 
     def evaluation(self, split: str, iteration: int, evaluate) -> dict:
@@ -414,8 +501,15 @@ class Run:
             record["resumed_by"] = record.get("resumed_by", []) + [this]
             self.config = record  # written with the resume's first save
         else:
-            write_json(config_file, {**this, "args": asdict(args), "resumed_by": [],
-                                     "num_processes": self.dist.num_processes})
+            try:
+                write_json(config_file, {**this, "args": asdict(args), "resumed_by": [],
+                                         "num_processes": self.dist.num_processes})
+            except OSError as e:  # a full disk, say: no half-made run is left behind
+                self.release()
+                shutil.rmtree(self.path, ignore_errors=True)
+                raise RunStopped(f"cannot write {config_file} ({e.strerror or e}); nothing was "
+                                 "kept, free some space or pick another --run-dir") from None
+        Run.opened = self
         if args.track:
             import wandb
 
@@ -457,7 +551,12 @@ class Run:
             return 0, {}
         for name, thing in trainer_state.items():
             if thing is not None:
-                _set_state(thing, self.state[name])
+                try:
+                    _set_state(thing, self.state[name])
+                except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                    raise UsageError(f"--resume {self.path}: its checkpoint's {name} does not "
+                                     f"fit this run ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else name})") from None
         set_random_streams(self.state["streams"][self.dist.process_index])
         print(f"resumed from {self.checkpoint} at iteration {self.state['iteration']}")
         return self.state["iteration"], self.state["history"]
@@ -522,7 +621,9 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
             state = {key: _state_of(thing) for key, thing in trainer_state.items()}
             seconds = self.seconds + time.time() - self.began
             torch.save({**state, "iteration": iteration, "history": history, "streams": streams,
-                        "seconds": seconds}, os.path.join(path, "trainer_state.pt"))
+                        "seconds": seconds, "base_weights": self.base_weights},
+                       os.path.join(path, "trainer_state.pt"))
+            write_json(os.path.join(path, CHECKSUMS), checksums(path))  # read back on --resume
             _flush_tree(path)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)

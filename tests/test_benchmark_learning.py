@@ -14,7 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from learning import (PROTOCOL_FLAGS, mean_and_se, paired_differences,  # noqa: E402
+from learning import (PROTOCOL_FLAGS, check_record, curve_table, mean_and_se,
+                      paired_differences, start_or_resume,  # noqa: E402
                       paired_table, table, verdict)
 
 
@@ -236,3 +237,75 @@ def test_every_estimator_seed_and_flag_is_checked_before_the_first_run(argv, mes
                        *argv])
     assert stop.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "records").exists()
+
+
+def _record(**end):
+    stats = {"eval_test/success": 0.5, "eval_test/grounding": 0.6, "eval_test/episode_length": 20}
+    return {"minutes": 10.0, "evaluations": {"0": dict(stats), "20": {**stats, **end}}}
+
+
+@pytest.mark.parametrize("record, says", [
+    (_record(**{"eval_test/success": float("nan")}), "eval_test/success is nan"),
+    (_record(**{"eval_test/success": float("inf")}), "eval_test/success is inf"),
+    (_record(**{"eval_test/success": 17.0}), "eval_test/success is 17.0"),
+    (_record(**{"eval_test/success": "0.6"}), "eval_test/success is '0.6'"),
+    ({"minutes": 1.0, "evaluations": {"0": _record()["evaluations"]["0"]}},
+     "not the start and later iterations"),
+    ({"minutes": 1.0}, "no start evaluation"),
+    ({"minutes": 1.0, "evaluations": {"20": _record()["evaluations"]["20"]}},
+     "no start evaluation"),
+    ({**_record(), "evaluations": {k: {"eval_valid/success": 0.5}
+                                   for k in ("0", "20")}}, "eval_test/success is None"),
+])
+def test_a_damaged_record_is_refused_by_name(record, says, capsys):
+    """NaN, infinity, a success above 1 or a string, a record with only its start evaluation,
+    none, or another split's keys: exit status 2 and one line, before any table is written."""
+    check_record(_record(), "test", "ok.json")  # a whole record passes
+    with pytest.raises(SystemExit) as stopped:
+        check_record(record, "test", "grpo-seed1.json")
+    assert stopped.value.code == 2
+    assert "grpo-seed1.json is damaged" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        check_record(record, "test", "grpo-seed1.json")
+    assert says in capsys.readouterr().err
+
+
+def test_the_curve_pairs_every_evaluation_by_hand():
+    """Two seeds, evaluations at 0, 20 and 40. oracle gains (0.1, 0.2) at 20 and (0.2, 0.3) at
+    40, grpo (0.1, 0.1) and (0.1, 0.1): paired (0, 0.1) -> +0.050 +- 0.050, (0.1, 0.2) ->
+    +0.150 +- 0.050."""
+    def record(start, *later):
+        steps = ("0", "20", "40")
+        return {"evaluations": {k: {"eval_test/success": v} for k, v in zip(steps,
+                                                                            (start, *later))}}
+
+    results = {"oracle": {1: record(0.5, 0.6, 0.7), 2: record(0.4, 0.6, 0.7)},
+               "grpo": {1: record(0.5, 0.6, 0.6), 2: record(0.4, 0.5, 0.5)}}
+    rows = curve_table("test", results).splitlines()
+    assert rows[2] == ("| 20 | oracle | 2 | 0.600 | +0.150 +- 0.050 | +0.050 +- 0.050 (2 seeds) "
+                       "| not distinguishable (2 < 6 seeds) |")
+    assert rows[3] == "| 20 | grpo | 2 | 0.550 | +0.100 +- 0.000 |  |  |"
+    assert rows[4].startswith("| 40 | oracle | 2 | 0.700 | +0.250 +- 0.050 | +0.150 +- 0.050")
+
+
+def test_an_unfinished_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """A run directory with a checkpoint and no summary (a sitting cut short): the run goes on
+    with --resume, its log appended; one without a checkpoint is started anew."""
+    import learning
+
+    run_dir = tmp_path / "grpo-seed1"
+    (run_dir / "proxmo__a" / "checkpoint").mkdir(parents=True)
+    (run_dir / "proxmo__a" / "checkpoint" / "trainer_state.pt").write_text("")
+    ran = []
+
+    def fake(command, **kwargs):
+        ran.append(command)
+        (run_dir / "proxmo__a" / "summary.json").write_text("{}")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(learning.subprocess, "run", fake)
+    command = ["python", "proxmo.py", "--advantage", "grpo", "--iterations", "60"]
+    summary = start_or_resume(command, str(run_dir), str(tmp_path), "grpo-seed1")
+    assert ran == [["python", "proxmo.py", "--resume", str(run_dir / "proxmo__a"),
+                    "--iterations", "60"]]
+    assert summary == str(run_dir / "proxmo__a" / "summary.json")

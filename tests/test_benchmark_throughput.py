@@ -35,19 +35,25 @@ def run(*flags):
 
 
 def test_the_benchmark_at_a_tiny_size():
+    # A given bandwidth, not a measured one: the bound is arithmetic, whatever the machine's load
+    # (the tiny model fits in cache, where a measured copy's bandwidth says nothing). 1 TB/s is
+    # above what any CPU core reads, so decoding stays below the bound.
     result = run("--batch", "4", "--prompt-tokens", "24", "--new-tokens", "6", "--repeats", "1",
                  "--update-batch", "3", "--micro-batch", "2", "--gradient-checkpointing",
-                 "--device", "cpu")
+                 "--device", "cpu", "--bandwidth-gbs", "1000")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     rows = {m.group(1): m for m in re.finditer(
-        r"^\| (hf|hf-cb) \| 4 \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \| (-|yes) \|",
-        out, re.M)}
+        r"^\| (hf|hf-cb) \| 4 \| ([\d,]+) \| ([\d,]+|not measurable) \| ([\d,]+) \| "
+        r"([\d.]+|nan) \| (-|yes) \|", out, re.M)}
     assert set(rows) == {"hf", "hf-cb"} and rows["hf-cb"].group(6) == "yes"
     for row in rows.values():
-        call, decode, bound = (float(row.group(k).replace(",", "")) for k in (2, 3, 4))
-        assert 0 < call and 0 < decode < bound
-        assert float(row.group(5)) == pytest.approx(decode / bound, abs=1e-3)
+        call, bound = (float(row.group(k).replace(",", "")) for k in (2, 4))
+        assert 0 < call < bound
+        if row.group(3) != "not measurable":  # a busy machine can leave no decoding time
+            decode = float(row.group(3).replace(",", ""))
+            assert 0 < decode < bound
+            assert float(row.group(5)) == pytest.approx(decode / bound, abs=1e-3)
     assert re.search(r"^\| LoRA r16 \| 3 x 30 \| 2 \| yes \| [\d,]+ \| [\d.]+ \(peak RSS\) \|$",
                      out, re.M)
 

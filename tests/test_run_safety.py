@@ -152,6 +152,14 @@ def test_two_runs_started_in_one_second_get_a_directory_each(tmp_path, monkeypat
 @pytest.mark.parametrize("make, argv, message", [
     (lambda p: p.write_text("a file"), ["--run-dir", "{p}"], "is a file, not a directory"),
     (None, ["--lora-target-modules", "nonsense"], "no module named nonsense"),
+    (None, ["--exp-name", "../../escaped"], "a name, not a path"),
+    # Values no machine can run: refused before work, not as an overflow or allocation error.
+    (None, ["--learning-rate", "1e308"], "--learning-rate must be in (0, 1]"),
+    (None, ["--group-size", "1000000000"], "--group-size must be in [1, 1024]"),
+    (None, ["--max-new-tokens", "1000000000"], "--max-new-tokens must be in [1, 32768]"),
+    (None, ["--lora-r", "100000000"], "--lora-r must be in [1, 1024]"),
+    (None, ["--process-timeout-minutes", "1e13"], "--process-timeout-minutes must be in"),
+    (None, ["--process-timeout-minutes", "inf"], "--process-timeout-minutes must be finite"),
 ])
 def test_bad_run_settings_are_refused_before_a_directory_exists(make, argv, message, tmp_path):
     target = tmp_path / "place"
@@ -160,7 +168,7 @@ def test_bad_run_settings_are_refused_before_a_directory_exists(make, argv, mess
     argv = [a.format(p=target) for a in argv]
     if "--run-dir" not in argv:
         argv += ["--run-dir", str(target)]
-    result = run([*argv, "--iterations", "1", *SMALL], tmp_path, expect=2)
+    result = run(["--iterations", "1", *SMALL, *argv], tmp_path, expect=2)  # argv's values win
     assert message in result.stderr and "Traceback" not in result.stderr
     assert make is not None or not target.exists()
 
@@ -176,7 +184,10 @@ def test_a_damaged_run_is_refused_by_name_on_resume(tmp_path):
     with open(state, "r+b") as f:
         f.truncate(100)
     damaged = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
-    assert "trainer_state.pt cannot be read" in damaged.stderr
+    assert "trainer_state.pt differs from what was saved" in damaged.stderr
+    os.remove(os.path.join(run_path, "checkpoint", "checksums.json"))  # as saved before checksums
+    unread = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
+    assert "trainer_state.pt cannot be read" in unread.stderr
     assert "Traceback" not in damaged.stderr
     config = os.path.join(run_path, "config.json")
     with open(config, "a") as f:
@@ -198,3 +209,123 @@ def test_a_save_killed_between_its_renames_resumes_from_its_whole_checkpoint(tmp
     assert os.readlink(os.path.join(run_path, "checkpoint")) == "checkpoint-2"
     assert sorted(p for p in os.listdir(run_path) if p.startswith("checkpoint")) == [
         "checkpoint", "checkpoint-2"]
+
+
+def test_a_run_stopped_before_its_summary_resumes_to_finish_it(tmp_path):
+    """Stopped after its last checkpoint and before summary.json (the same state as a summary
+    deleted): --resume writes the summary the run would have written, and then the run is
+    finished, so a second resume is refused. The lock is on the directory: no file stays."""
+    run(["--iterations", "1", "--run-dir", str(tmp_path / "runs"), *SMALL], tmp_path)
+    (run_path,) = glob.glob(str(tmp_path / "runs" / "*"))
+    summary_file = os.path.join(run_path, "summary.json")
+    with open(summary_file) as f:
+        whole = json.load(f)
+    assert not [p for p in os.listdir(run_path) if p.endswith(".lock")]
+    os.remove(summary_file)
+    run(["--resume", run_path], tmp_path)
+    with open(summary_file) as f:
+        again = json.load(f)
+    assert again["evaluations"] == whole["evaluations"]
+    assert again["final_success"] == whole["final_success"]
+    done = run(["--resume", run_path], tmp_path, expect=2)
+    assert "already did 1 iterations" in done.stderr
+
+
+def test_a_checkpoint_or_start_not_as_saved_is_refused_by_name(tmp_path):
+    """What a resume would otherwise take silently or as a traceback: a byte of the adapter
+    changed (its checksum), the start a cloned run kept missing, changed, or truncated, and,
+    in a checkpoint saved before checksums, a trainer state of another run or a broken adapter
+    config. One line each, exit status 2, nothing changed."""
+    run(["--model", "tiny-scratch", "--bc-epochs", "1", "--bc-num-tasks", "2", "--iterations", "1",
+         "--run-dir", str(tmp_path / "runs"), *SMALL], tmp_path)
+    (run_path,) = glob.glob(str(tmp_path / "runs" / "*"))
+    checkpoint = os.path.realpath(os.path.join(run_path, "checkpoint"))
+
+    def refused(says):
+        result = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
+        assert says in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert os.path.realpath(os.path.join(run_path, "checkpoint")) == checkpoint
+
+    def flip(path, at):
+        with open(path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    adapter = os.path.join(checkpoint, "adapter_model.safetensors")
+    flip(adapter, os.path.getsize(adapter) - 5)
+    refused("adapter_model.safetensors differs from what was saved")
+    flip(adapter, os.path.getsize(adapter) - 5)  # back as saved
+    base = os.path.join(run_path, "base_model")
+    os.rename(base, base + ".away")
+    refused("its base_model/ (the start it cloned) is missing")
+    os.rename(base + ".away", base)
+    weights = os.path.join(base, "model.safetensors")
+    flip(weights, os.path.getsize(weights) - 5)  # one weight of the start changed
+    refused("is not the one the run trained on")
+    flip(weights, os.path.getsize(weights) - 5)
+    saved = open(weights, "rb").read()
+    with open(weights, "r+b") as f:
+        f.truncate(len(saved) // 2)
+    refused("cannot load model")
+    open(weights, "wb").write(saved)
+    os.remove(os.path.join(checkpoint, "checksums.json"))  # as saved before checksums
+    state_file = os.path.join(checkpoint, "trainer_state.pt")
+    state = torch.load(state_file, weights_only=False)
+    torch.save({**state, "optimizer": {"state": {}, "param_groups": []}}, state_file)
+    refused("its checkpoint's optimizer does not fit this run")
+    torch.save(state, state_file)
+    with open(os.path.join(checkpoint, "adapter_config.json"), "w") as f:
+        f.write('{"peft_type": "LORA", "r": "sixteen"}')
+    refused("cannot be loaded")
+
+
+def test_a_hand_edited_configuration_is_refused_as_damage_not_as_a_flag(tmp_path):
+    run(["--iterations", "1", "--run-dir", str(tmp_path / "runs"), *SMALL], tmp_path)
+    (run_path,) = glob.glob(str(tmp_path / "runs" / "*"))
+    config_file = os.path.join(run_path, "config.json")
+    config = json.load(open(config_file))
+    config["args"].update(seed="abc", eval_every=None, learning_rate=float("nan"))
+    json.dump(config, open(config_file, "w"))
+    result = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
+    assert "config.json is damaged (seed is 'abc'; learning_rate is nan; eval_every is None)" in (
+        result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_ctrl_c_says_how_to_resume(tmp_path):
+    """SIGINT (what Ctrl-C sends) mid-run: no traceback, exit status 130, and the command that
+    goes on from the last checkpoint, which then finishes the run."""
+    runs = tmp_path / "runs"
+    process = subprocess.Popen(
+        [sys.executable, "proxmo.py", "--iterations", "6", "--run-dir", str(runs), *SMALL],
+        cwd=ROOT, env=script_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for _ in range(600):
+        if glob.glob(str(runs / "*" / "checkpoint-2")) or process.poll() is not None:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    stderr = process.communicate(timeout=600)[1]
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    command = re.search(r"Resume with: python proxmo.py (--resume \S+)", stderr)
+    assert command, stderr[-2000:]
+    run(command.group(1).split(), tmp_path)
+
+
+def test_a_full_disk_at_the_first_write_leaves_no_directory(tmp_path, monkeypatch):
+    import errno
+
+    import common.run
+    import proxmo
+    from common import RunStopped
+
+    def full(path, value):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(common.run, "write_json", full)
+    run_ = common.run.Run(proxmo.Args(run_dir=str(tmp_path)), "proxmo.py")
+    with pytest.raises(RunStopped, match="No space left on device.*nothing was kept"):
+        run_.open()
+    assert os.listdir(tmp_path) == []
