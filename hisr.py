@@ -15,7 +15,7 @@ reward. Two things differ from SPA:
     (1 - alpha) * that + alpha * g_t, g_t = 1 when the action was admissible (Eq. 8). The outcome
     enters only through the two reward models.
 
-Departures from the paper (no code was released; spec: `Choice:`; in full: docs/hisr.md,
+Departures from the paper (no code was released; each with its reason in docs/hisr.md,
 "Departures from the paper, in full"):
   * Segments end at environment events, not GPT-4o's; --segmenter turns: one a turn ("w/o SPR").
   * Collection drops trajectories with a malformed reply (--collect-filter none keeps them); a
@@ -36,7 +36,7 @@ Departures from the paper (no code was released; spec: `Choice:`; in full: docs/
   * Harness prompts, rollouts, BC; eval at 0.4 (the paper: --eval-temperature 0); tiny ships
     cloned (--bc-epochs 0), real models clone with LoRA (the paper: every weight).
   * Not built: streaming the cloze inputs (a batch's are encoded up front).
-  * Readings removed in issue 44 (commit 32ae25f has them): docs/hisr.md, "Readings removed".
+  * Readings removed since (and the commit that has them): docs/hisr.md, "Readings removed".
 
 Run:
     python hisr.py                          # tiny model, built-in household, CPU, minutes
@@ -90,39 +90,6 @@ from envs.text import (PROMPT_INTRO, encode_prompt, expert_response, is_well_for
 
 
 # ---- 1. HISR rewards and advantages (pure functions: float64 tensors in, no grad) --------------
-MILESTONE_RE = re.compile(r"\s*you (pick up|move|put|clean|heat|cool|turn on)\b", re.IGNORECASE)
-# The six goal templates (ALFWorld's, which the household copies): the word after these is the
-# object the task is about.
-GOAL_OBJECT_RE = re.compile(r"(?:put (?:a|an|some|two) (?:(?:clean|hot|cool) )?"
-                            r"|(?:clean|heat|cool) some |find two |look at |examine the )(\w+)",
-                            re.IGNORECASE)
-
-
-def goal_object(goal: str) -> str | None:
-    """The lower-cased object word of a goal sentence, None if no template matches:
-    "put a hot egg in garbagecan." -> "egg"; "examine the vase with the desklamp." -> "vase"."""
-    found = GOAL_OBJECT_RE.search(goal)
-    return found.group(1).lower() if found else None
-
-
-def segment_ids_from_events(feedback: list[str], target: str | None = None) -> Tensor:
-    """(m,) int64 segment id per turn, from the environment's events (the paper's GPT-4o
-    segmentation replaced by a rule). feedback[k] = the observation action k got. Turn k < m - 1
-    ends a segment when feedback[k] is a milestone (MILESTONE_RE: pick up, move, put, clean,
-    heat, cool, turn on) or, with a target, is the first feedback naming "<target> <number>"; the
-    last turn closes the last segment. [] -> empty."""
-    sighting = re.compile(rf"\b{re.escape(target)} \d+", re.IGNORECASE) if target else None
-    ids, current, seen = [], 0, False
-    for k, text in enumerate(feedback):
-        ids.append(current)
-        event = MILESTONE_RE.match(text) is not None
-        if sighting is not None and not seen and sighting.search(text):
-            seen, event = True, True
-        if event and k < len(feedback) - 1:
-            current += 1
-    return torch.tensor(ids, dtype=torch.int64)
-
-
 def segment_ends(seg_ids: Tensor) -> Tensor:
     """(m,) segment ids -> (n,) index of each segment's last turn: [0,0,1,2,2] -> [1,2,4]."""
     if seg_ids.numel() == 0:
@@ -141,39 +108,6 @@ def check_segment_ids(seg_ids: Tensor) -> int:
     if seg_ids[0] != 0 or not bool(((steps == 0) | (steps == 1)).all()):
         raise ValueError(f"segment ids must be contiguous from 0, got {seg_ids.tolist()}")
     return int(seg_ids[-1]) + 1
-
-
-class SegmentRewardHead(torch.nn.Module):
-    """Eq. 2: r_i = W2 SiLU(W1 h_i), W1: H -> H and W2: H -> 1, no biases, float32. W2 starts at
-    zero, so a new head predicts 0 for every segment."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.w1 = torch.nn.Linear(hidden_size, hidden_size, bias=False)
-        self.w2 = torch.nn.Linear(hidden_size, 1, bias=False)
-        torch.nn.init.zeros_(self.w2.weight)
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        """(..., H) -> (...)"""
-        return self.w2(torch.nn.functional.silu(self.w1(hidden.float()))).squeeze(-1)
-
-
-def sprm_loss(seg_scores: list[Tensor], outcomes: Tensor) -> Tensor:
-    """Eq. 3, mean over the batch: mean_i (R_i - sum of trajectory i's segment scores)^2.
-    seg_scores[i]: (n_i,); outcomes: (B,). A scalar with the gradient of the scores; ValueError
-    for a trajectory without segments or a length mismatch."""
-    if len(seg_scores) != len(outcomes):
-        raise ValueError(f"{len(seg_scores)} trajectories but {len(outcomes)} outcomes")
-    if any(s.numel() == 0 for s in seg_scores):
-        raise ValueError("a trajectory without segments has no scores to sum")
-    predicted = torch.stack([s.sum() for s in seg_scores])
-    return ((outcomes.to(predicted) - predicted) ** 2).mean()
-
-
-def hindsight_loss(logp: Tensor, mask: Tensor) -> Tensor:
-    """Eq. 4 reduced as SFT: -(logp * mask).sum() / mask.sum() over a batch's target tokens,
-    logp and mask (B, L)."""
-    return -(logp * mask).sum() / mask.sum().clamp(min=1)
 
 
 def action_log_importance(hind_logp: Tensor, policy_logp: Tensor, mask: Tensor,
@@ -247,7 +181,9 @@ def turn_rewards(seg_values: Tensor, seg_ids: Tensor, placement: str = "end") ->
 def fused_rewards(him: Tensor, grounded: Tensor, alpha: float = 0.3, step_kl: Tensor | None = None,
                   kl_coef: float = 0.0) -> Tensor:
     """Eq. 8 (+ the KL penalty), (m,) -> (m,): r_k = (1 - alpha) him_k + alpha g_k - kl_coef
-    step_kl_k (no KL term when step_kl is None)."""
+    step_kl_k (no KL term when step_kl is None). alpha is --grounding-weight (HISR's alpha, not
+    SPA's); `grounded` holds the grounding term g_k as grounding_terms gives it (g - 1 with the
+    default cost form, g with eq8)."""
     if len(grounded) != len(him) or (step_kl is not None and len(step_kl) != len(him)):
         raise ValueError(f"{len(him)} turn rewards, {len(grounded)} grounding flags"
                          + ("" if step_kl is None else f", {len(step_kl)} step KLs"))
@@ -404,6 +340,72 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list
 
 
 # ---- 2. Segments, the segmental reward model and the hindsight model (Eqs. 2-5) ----------------
+MILESTONE_RE = re.compile(r"\s*you (pick up|move|put|clean|heat|cool|turn on)\b", re.IGNORECASE)
+# The six goal templates (ALFWorld's, which the household copies): the word after these is the
+# object the task is about.
+GOAL_OBJECT_RE = re.compile(r"(?:put (?:a|an|some|two) (?:(?:clean|hot|cool) )?"
+                            r"|(?:clean|heat|cool) some |find two |look at |examine the )(\w+)",
+                            re.IGNORECASE)
+
+
+def goal_object(goal: str) -> str | None:
+    """The lower-cased object word of a goal sentence, None if no template matches:
+    "put a hot egg in garbagecan." -> "egg"; "examine the vase with the desklamp." -> "vase"."""
+    found = GOAL_OBJECT_RE.search(goal)
+    return found.group(1).lower() if found else None
+
+
+def segment_ids_from_events(feedback: list[str], target: str | None = None) -> Tensor:
+    """(m,) int64 segment id per turn, from the environment's events (the paper's GPT-4o
+    segmentation replaced by a rule). feedback[k] = the observation action k got. Turn k < m - 1
+    ends a segment when feedback[k] is a milestone (MILESTONE_RE: pick up, move, put, clean,
+    heat, cool, turn on) or, with a target, is the first feedback naming "<target> <number>"; the
+    last turn closes the last segment. [] -> empty."""
+    sighting = re.compile(rf"\b{re.escape(target)} \d+", re.IGNORECASE) if target else None
+    ids, current, seen = [], 0, False
+    for k, text in enumerate(feedback):
+        ids.append(current)
+        event = MILESTONE_RE.match(text) is not None
+        if sighting is not None and not seen and sighting.search(text):
+            seen, event = True, True
+        if event and k < len(feedback) - 1:
+            current += 1
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+class SegmentRewardHead(torch.nn.Module):
+    """Eq. 2: r_i = W2 SiLU(W1 h_i), W1: H -> H and W2: H -> 1, no biases, float32. W2 starts at
+    zero, so a new head predicts 0 for every segment."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.w1 = torch.nn.Linear(hidden_size, hidden_size, bias=False)
+        self.w2 = torch.nn.Linear(hidden_size, 1, bias=False)
+        torch.nn.init.zeros_(self.w2.weight)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """(..., H) -> (...)"""
+        return self.w2(torch.nn.functional.silu(self.w1(hidden.float()))).squeeze(-1)
+
+
+def sprm_loss(seg_scores: list[Tensor], outcomes: Tensor) -> Tensor:
+    """Eq. 3, mean over the batch: mean_i (R_i - sum of trajectory i's segment scores)^2.
+    seg_scores[i]: (n_i,); outcomes: (B,). A scalar with the gradient of the scores; ValueError
+    for a trajectory without segments or a length mismatch."""
+    if len(seg_scores) != len(outcomes):
+        raise ValueError(f"{len(seg_scores)} trajectories but {len(outcomes)} outcomes")
+    if any(s.numel() == 0 for s in seg_scores):
+        raise ValueError("a trajectory without segments has no scores to sum")
+    predicted = torch.stack([s.sum() for s in seg_scores])
+    return ((outcomes.to(predicted) - predicted) ** 2).mean()
+
+
+def hindsight_loss(logp: Tensor, mask: Tensor) -> Tensor:
+    """Eq. 4 reduced as SFT: -(logp * mask).sum() / mask.sum() over a batch's target tokens,
+    logp and mask (B, L)."""
+    return -(logp * mask).sum() / mask.sum().clamp(min=1)
+
+
 OBSERVATION = "Observation: {obs}"
 # The hindsight model's request (our wording of the paper's cloze prompt): (instruction before the
 # episode, the hidden reply's stand-in, the request after it). The tiny models' vocabulary lacks
@@ -709,9 +711,17 @@ def train_sprm(args: Args, sprm, head, tokenizer, trajs: list[dict], train: list
     return stats
 
 
-def cloze_samples(args: Args, tokenizer, trajs: list[dict], indices: list[int]) -> list[tuple]:
-    """(cloze prompt ids, reply ids, step prompt ids, whether turns were dropped) for every turn
-    of the given trajectories."""
+class ClozeSample(NamedTuple):
+    """One turn as the hindsight model reads it (Eq. 4)."""
+    cloze: list[int]  # the cloze input's token ids: the episode with this reply hidden
+    reply: list[int]  # the hidden reply's token ids, the target
+    step_prompt: list[int]  # the prompt the policy sampled the reply from
+    cut: bool  # whether turns were dropped for the cloze input to fit
+
+
+def cloze_samples(args: Args, tokenizer, trajs: list[dict],
+                  indices: list[int]) -> list[ClozeSample]:
+    """A ClozeSample for every turn of the given trajectories."""
     samples = []
     for i in indices:
         steps = trajs[i]["steps"]
@@ -719,7 +729,7 @@ def cloze_samples(args: Args, tokenizer, trajs: list[dict], indices: list[int]) 
                                                              skip_special_tokens=True)]
         for k, step in enumerate(steps):
             ids, cut = encode_cloze(args, tokenizer, trajs[i], replies, k)
-            samples.append((ids, step["response_ids"], step["prompt"], cut))
+            samples.append(ClozeSample(ids, step["response_ids"], step["prompt"], cut))
     return samples
 
 
@@ -732,7 +742,7 @@ def train_hindsight(args: Args, hindsight, start_model, tokenizer, trajs: list[d
     lower)."""
     samples = cloze_samples(args, tokenizer, trajs, train)
     pad = tokenizer.pad_token_id
-    lengths = [len(s[0]) + len(s[1]) for s in samples]
+    lengths = [len(s.cloze) + len(s.reply) for s in samples]
     params = [p for p in hindsight.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.hindsight_learning_rate, weight_decay=0.0)
     order = list(range(len(samples)))
@@ -744,12 +754,12 @@ def train_hindsight(args: Args, hindsight, start_model, tokenizer, trajs: list[d
         rng.shuffle(order)
         for start in range(0, len(order), args.hindsight_batch_size):
             batch = order[start:start + args.hindsight_batch_size]
-            n_tokens = sum(len(samples[i][1]) for i in batch)
+            n_tokens = sum(len(samples[i].reply) for i in batch)
             optimizer.zero_grad(set_to_none=True)
             batch_loss = 0.0
             for idx in length_sorted_chunks(batch, lengths, args.micro_batch_size):
-                logp, mask, _ = response_logprobs(hindsight, [samples[i][0] for i in idx],
-                                                  [samples[i][1] for i in idx], pad)
+                logp, mask, _ = response_logprobs(hindsight, [samples[i].cloze for i in idx],
+                                                  [samples[i].reply for i in idx], pad)
                 # the token mean of the whole batch (Eq. 4), in micro-batches
                 share = hindsight_loss(logp, mask.to(logp.device)) * mask.sum() / n_tokens
                 share.backward()
@@ -762,20 +772,21 @@ def train_hindsight(args: Args, hindsight, start_model, tokenizer, trajs: list[d
     freeze(hindsight)
     stats = {"hindsight/train_loss": float(np.mean(losses[-per_epoch:])),
              "hindsight/replies": len(samples),
-             "hindsight/inputs_cut": sum(s[3] for s in samples)}
+             "hindsight/inputs_cut": sum(s.cut for s in samples)}
     held = cloze_samples(args, tokenizer, trajs, heldout)
     if held:
         nll = {"hindsight": 0.0, "start_policy": 0.0}
-        held_lengths = [len(s[0]) + len(s[1]) for s in held]
+        held_lengths = [len(s.cloze) + len(s.reply) for s in held]
         with torch.no_grad():
             for idx in length_sorted_chunks(list(range(len(held))), held_lengths,
                                             args.micro_batch_size):
-                for name, model, column in (("hindsight", hindsight, 0),
-                                            ("start_policy", start_model, 2)):
-                    logp, mask, _ = response_logprobs(model, [held[i][column] for i in idx],
-                                                      [held[i][1] for i in idx], pad)
+                for name, model, field in (("hindsight", hindsight, "cloze"),
+                                           ("start_policy", start_model, "step_prompt")):
+                    inputs = [getattr(held[i], field) for i in idx]
+                    logp, mask, _ = response_logprobs(model, inputs,
+                                                      [held[i].reply for i in idx], pad)
                     nll[name] -= (logp * mask.to(logp.device)).sum().item()
-        n_tokens = sum(len(s[1]) for s in held)
+        n_tokens = sum(len(s.reply) for s in held)
         stats.update({f"hindsight/heldout_nll_{k}": v / n_tokens for k, v in nll.items()})
     return stats
 
@@ -808,11 +819,11 @@ def score_hindsight(args: Args, hindsight, tokenizer, trajs: list[dict]) -> int:
     numerator), into every step. Returns how many cloze inputs were cut to fit."""
     steps = [s for t in trajs for s in t["steps"]]
     samples = cloze_samples(args, tokenizer, trajs, list(range(len(trajs))))
-    logp = scored_logprobs(hindsight, [s[0] for s in samples], [s[1] for s in samples],
+    logp = scored_logprobs(hindsight, [s.cloze for s in samples], [s.reply for s in samples],
                            tokenizer.pad_token_id, args.micro_batch_size)
     for step, row in zip(steps, logp, strict=True):
         step["hind_logprobs"] = row.cpu()
-    return sum(s[3] for s in samples)
+    return sum(s.cut for s in samples)
 
 
 def auxiliary_copy(start_model):
@@ -880,7 +891,7 @@ def save_reward_models(path: str, sprm, head, hindsight, args: Args) -> None:
 def load_reward_models(args: Args, start_model, path: str):
     """(SPRM, head, hindsight model or None w/o HIM), frozen, from a directory save_reward_models
     wrote; refused when trained with other settings of READING than args, or with a reading
-    removed in issue 44 (no admissible actions in the cloze)."""
+    removed since (no admissible actions in the cloze: docs/hisr.md, "Readings removed")."""
     found = os.path.join(path, "sprm", "head.pt")
     reading = os.path.join(path, "reading.json")
     names = ["sprm", "hindsight"] if args.use_hindsight else ["sprm"]
@@ -894,8 +905,8 @@ def load_reward_models(args: Args, start_model, path: str):
         trained = json.load(f)
     differ = [f"--{n.replace('_', '-')} {trained.get(n)!r} (this run: {getattr(args, n)!r})"
               for n in READING if trained.get(n) != getattr(args, n)]
-    if trained.get("hindsight_admissible", True) is not True:  # saved before issue 44
-        differ.append("--no-hindsight-admissible (removed in issue 44; commit 32ae25f has it)")
+    if trained.get("hindsight_admissible", True) is not True:  # a reading removed since
+        differ.append("--no-hindsight-admissible (removed; docs/hisr.md, \"Readings removed\")")
     if differ:
         raise UsageError(f"--reward-models {path} were trained with " + ", ".join(differ))
     models = []
@@ -1148,9 +1159,10 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 
 # ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
-            temperature: float, top_p: float = 1.0,
-            expert_rng: random.Random | None = None) -> list[dict]:
-    """Play one game per task in lock-step until all finish.
+            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
+            desc: str | None = None) -> list[dict]:
+    """Play one game per task in lock-step until all finish (with desc, a progress line every
+    30 s: steps taken, games still going).
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
@@ -1170,8 +1182,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+    steps = Progress(args.max_episode_steps, desc) if desc else None
     while batch.active():
         active = batch.active()
+        if steps is not None:
+            steps.update(1, playing=len(active))
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
             prompts = [encode_prompt(args, tokenizer, games[i].task_description,
@@ -1211,6 +1226,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             tr["rewards"].append(reward)
             tr["history"].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
+    if steps is not None:
+        steps.close()
     for tr in trajs:
         del tr["history"]
     return trajs
@@ -1238,7 +1255,8 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     t0 = time.time()
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
-    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
+    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng,
+                    desc=f"expert demonstrations ({len(tasks)} tasks)")
     samples = []
     for tr in demos:
         for s in [s for s in tr["steps"] if s["label"] is not None]:
@@ -1310,7 +1328,7 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
-                        args.eval_temperature, args.eval_top_p)
+                        args.eval_temperature, args.eval_top_p, desc=f"eval {split} (steps)")
     trajs = gather_object([summarize(t) for t in trajs])
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:

@@ -11,7 +11,7 @@ iStar learns a dense reward per step without step labels (Algorithm 1):
     results) or GRPO (Eqs. 3-5), and PPO-clip without KL optimises it (Eq. 6).
   No critic, no extra rollouts, no step labels.
 
-Departures from the paper and its released code (spec: `Choice:`; in full: docs/istar.md,
+Departures from the paper and its released code (each with its reason in docs/istar.md,
 "Departures from the paper, in full"):
   * Both models are LoRA adapters on their own copies of the start (the code: two full models);
     r_t = 0 in iteration 1, old log-probs recomputed by the PRM's pass; both at temperature 1.
@@ -357,14 +357,21 @@ def implicit_prm(args: Args, run: Run, start_model) -> tuple:
     return prm, torch.optim.AdamW(params, lr=args.prm_learning_rate, weight_decay=0.0)
 
 
-def score_responses(model, tokenizer, samples: list[tuple], micro_batch_size: int,
+class ScoredStep(NamedTuple):
+    """One step of a batch as the PRM and the policy update read it."""
+    prompt: list[int]  # token ids
+    response: list[int]  # token ids
+    old_logprobs: list[float] | None  # the rollout policy's, per response token
+
+
+def score_responses(model, tokenizer, samples: list, micro_batch_size: int,
                     temperature: float) -> list[Tensor]:
-    """Per-token log-probs (L_k,) of each sample's response (prompt_ids, response_ids, ...), no
-    grad, under softmax(logits / temperature). The policy's old log-probs and the PRM's come from
-    this one function on the same micro-batches: while the two models are equal, so are their
-    numbers, bit for bit, and every r_t is exactly 0."""
+    """Per-token log-probs (L_k,) of each sample's response (ScoredSteps: their .prompt and
+    .response token ids), no grad, under softmax(logits / temperature). The policy's old
+    log-probs and the PRM's come from this one function on the same micro-batches: while the
+    two models are equal, so are their numbers, bit for bit, and every r_t is exactly 0."""
     model.eval()
-    logp = scored_logprobs(model, [s[0] for s in samples], [s[1] for s in samples],
+    logp = scored_logprobs(model, [s.prompt for s in samples], [s.response for s in samples],
                            tokenizer.pad_token_id, micro_batch_size, temperature)
     return [row.cpu() for row in logp]
 
@@ -383,15 +390,15 @@ def step_rewards_per_trajectory(trajs: list[dict], prm_logp: list[Tensor],
     return [r.tolist() for r in implicit_step_rewards(prm_steps, old_steps, beta)]
 
 
-def score_rollouts(args: Args, model, prm, tokenizer, trajs: list[dict]) -> list[tuple]:
-    """Algorithm 1 (3, 4): each step of `trajs`, in order, as (prompt_ids, response_ids, old
-    log-probs); with the PRM, also each trajectory's "step_rewards" (Eq. 1) from the PRM before
-    its DPO step, the old log-probs scored as the PRM's are (score_responses). The baselines
-    (prm None) keep the log-probs recorded at sampling."""
+def score_rollouts(args: Args, model, prm, tokenizer, trajs: list[dict]) -> list[ScoredStep]:
+    """Algorithm 1 (3, 4): each step of `trajs`, in order, as a ScoredStep; with the PRM, also
+    each trajectory's "step_rewards" (Eq. 1) from the PRM before its DPO step, the old log-probs
+    scored as the PRM's are (score_responses). The baselines (prm None) keep the log-probs
+    recorded at sampling."""
     steps = [s for tr in trajs for s in tr["steps"]]
     if prm is None:
-        return [(s["prompt"], s["response_ids"], s["logprobs"]) for s in steps]
-    replies = [(s["prompt"], s["response_ids"]) for s in steps]
+        return [ScoredStep(s["prompt"], s["response_ids"], s["logprobs"]) for s in steps]
+    replies = [ScoredStep(s["prompt"], s["response_ids"], None) for s in steps]
     with timer("old_logprobs"):
         old_logp = score_responses(model, tokenizer, replies, args.micro_batch_size,
                                    args.rollout_temperature)
@@ -401,16 +408,16 @@ def score_rollouts(args: Args, model, prm, tokenizer, trajs: list[dict]) -> list
     step_rewards = step_rewards_per_trajectory(trajs, prm_logp, old_logp, args.beta)
     for tr, rewards in zip(trajs, step_rewards, strict=True):
         tr["step_rewards"] = rewards
-    return [(p, r, lp.tolist()) for (p, r), lp in zip(replies, old_logp)]
+    return [step._replace(old_logprobs=lp.tolist()) for step, lp in zip(replies, old_logp)]
 
 
-def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples: list[tuple],
+def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples: list[ScoredStep],
                mine: range, iteration: int) -> dict:
     """One DPO step of the PRM on the batch's preference pairs (Eq. 2).
 
     batch: every process's summarized trajectories with their "step_rewards" (raw, from the PRM
     before this step); mine: the indices in batch of this process's trajectories; samples: their
-    steps (prompt_ids, response_ids, old_logprobs), in trajectory order, then step order.
+    steps, in trajectory order, then step order.
     The gradient is exactly that of the batch's DPO loss, taken in micro-batches: dLoss/dr_t from
     the scored rewards first, then sum_t dLoss/dr_t * r_t(phi) backpropagated through the PRM.
     Steps of trajectories in no pair have dLoss/dr_t = 0 and are skipped."""
@@ -431,16 +438,18 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
                                               else torch.zeros(len(rewards[i]))).tolist()]
     assert len(coefficients) == len(samples), "samples must be the steps of batch[mine]"
     trained = [k for k, c in enumerate(coefficients) if c != 0]
-    lengths = [len(s[0]) + len(s[1]) for s in samples]
+    lengths = [len(s.prompt) + len(s.response) for s in samples]
     params = [p for p in prm.parameters() if p.requires_grad]
     device = next(prm.parameters()).device
     optimizer.zero_grad(set_to_none=True)
     prm.eval()  # the gradient of the very function that scored the rewards (no dropout)
     for idx in length_sorted_chunks(trained, lengths, args.micro_batch_size):
-        logp, mask, _ = response_logprobs(prm, [samples[k][0] for k in idx],
-                                          [samples[k][1] for k in idx], tokenizer.pad_token_id,
+        logp, mask, _ = response_logprobs(prm, [samples[k].prompt for k in idx],
+                                          [samples[k].response for k in idx],
+                                          tokenizer.pad_token_id,
                                           temperature=args.rollout_temperature)
-        old = pad_rows([torch.as_tensor(samples[k][2]) for k in idx], logp.shape[1]).to(device)
+        old = pad_rows([torch.as_tensor(samples[k].old_logprobs) for k in idx],
+                       logp.shape[1]).to(device)
         mask = mask.to(device)
         step_rewards = torch.stack([implicit_step_reward(logp[j], old[j], args.beta, mask[j])
                                     for j in range(len(idx))])  # Eq. 1, with grad
@@ -594,9 +603,10 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 
 # ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
-            temperature: float, top_p: float = 1.0,
-            expert_rng: random.Random | None = None) -> list[dict]:
-    """Play one game per task in lock-step until all finish.
+            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
+            desc: str | None = None) -> list[dict]:
+    """Play one game per task in lock-step until all finish (with desc, a progress line every
+    30 s: steps taken, games still going).
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
@@ -616,8 +626,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+    steps = Progress(args.max_episode_steps, desc) if desc else None
     while batch.active():
         active = batch.active()
+        if steps is not None:
+            steps.update(1, playing=len(active))
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
             prompts = [encode_prompt(args, tokenizer, games[i].task_description,
@@ -657,6 +670,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             tr["rewards"].append(reward)
             tr["history"].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
+    if steps is not None:
+        steps.close()
     for tr in trajs:
         del tr["history"]
     return trajs
@@ -684,7 +699,8 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     t0 = time.time()
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
-    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
+    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng,
+                    desc=f"expert demonstrations ({len(tasks)} tasks)")
     samples = []
     for tr in demos:
         for s in [s for s in tr["steps"] if s["label"] is not None]:
@@ -756,7 +772,7 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
-                        args.eval_temperature, args.eval_top_p)
+                        args.eval_temperature, args.eval_top_p, desc=f"eval {split} (steps)")
     trajs = gather_object([summarize(t) for t in trajs])
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:
@@ -960,7 +976,8 @@ def main(args: Args) -> dict:
                 prm_stats = prm_update(args, prm, tokenizer, prm_optimizer, batch, scored,
                                        range(first, first + len(trajs)), iteration)
         my_advantages = [float(a) for adv in advantages for a in adv]
-        samples = [StepSample(p, r, a, lp) for (p, r, lp), a in zip(scored, my_advantages)]
+        samples = [StepSample(s.prompt, s.response, a, s.old_logprobs)
+                   for s, a in zip(scored, my_advantages)]
         # (8, 9) the clipped policy-gradient update (Eq. 6); the next rollouts are pi_old's.
         policy.sleep()  # --vllm-sleep: the engine's memory to the update
         with timer("update"):  # less the scoring passes, timed inside it

@@ -10,7 +10,7 @@ SPA turns the sparse outcome of an episode into a dense reward per step:
     it (Eqs. 9-10), here over the exploration rollouts themselves, one pass, as the released
     code does. The outcome itself enters the reward only through the c_t.
 
-Departures from the paper and its released code (spec: `Choice:`; in full: docs/spa.md,
+Departures from the paper and its released code (each with its reason in docs/spa.md,
 "Departures from the paper, in full"):
   * PE: start weights, a fresh LoRA and Linear(H, 1) on the final-norm state (the code: full
     fine-tuning, a head on the logits); --pe-head mlp: the paper's MLP; scores only the replies.
@@ -114,8 +114,10 @@ def fused_rewards(contribs: list[float], grounded: list[int], alpha: float = 1.0
                   beta: float = 0.5, step_kl: list[float] | None = None,
                   kl_coef: float = 0.0) -> list[float]:
     """Eq. 8 for one trajectory: r_t = alpha * c_t + beta * g_t, minus kl_coef * step_kl_t when
-    step_kl is given (the KL to the reference, summed over the step's tokens). (n,) lists in,
-    (n,) list out; [] -> []. ValueError when the lengths differ."""
+    step_kl is given (the KL to the reference, summed over the step's tokens). alpha is
+    --progress-weight, beta --grounding-weight; `grounded` holds the grounding term g_t per step
+    as grounding_terms gives it (g - 1 with the default cost form, g as Eq. 8 writes it with
+    eq8). (n,) lists in, (n,) list out; [] -> []. ValueError when the lengths differ."""
     if len(grounded) != len(contribs):
         raise ValueError(f"{len(contribs)} contributions but {len(grounded)} grounding flags")
     if step_kl is not None and len(step_kl) != len(contribs):
@@ -218,16 +220,16 @@ def compute_advantages(args: Args, trajectories: list[dict]) -> tuple[list, list
         if args.advantage == "spa":
             contribs = [s["contrib"] for s in steps]
             flags = [grounding_flag(s["next_state"], s["parsed"], args.env) for s in steps]
-            grounded = grounding_terms(flags, args.grounding_form)
+            grounding = grounding_terms(flags, args.grounding_form)  # g - 1, or g (eq8)
         else:
-            contribs, grounded = list(t["rewards"]), [0] * len(steps)
-        batch.append({"contribs": contribs, "grounded": grounded,
+            contribs, grounding = list(t["rewards"]), [0] * len(steps)
+        batch.append({"contribs": contribs, "grounded": grounding,
                       "values": [s["value"] for s in steps],
                       "step_kl": [s["step_kl"] for s in steps]})
-    alpha, beta = args.progress_weight, args.grounding_weight
+    progress_weight, grounding_weight = args.progress_weight, args.grounding_weight
     if args.advantage == "ppo":
-        alpha, beta = 1.0, 0.0
-    return spa_advantages(batch, alpha, beta, args.gamma, args.gae_lambda,
+        progress_weight, grounding_weight = 1.0, 0.0
+    return spa_advantages(batch, progress_weight, grounding_weight, args.gamma, args.gae_lambda,
                           args.normalize_advantages, args.kl_coef)
 
 
@@ -701,9 +703,10 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 
 # ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
-            temperature: float, top_p: float = 1.0,
-            expert_rng: random.Random | None = None) -> list[dict]:
-    """Play one game per task in lock-step until all finish.
+            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
+            desc: str | None = None) -> list[dict]:
+    """Play one game per task in lock-step until all finish (with desc, a progress line every
+    30 s: steps taken, games still going).
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
@@ -723,8 +726,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+    steps = Progress(args.max_episode_steps, desc) if desc else None
     while batch.active():
         active = batch.active()
+        if steps is not None:
+            steps.update(1, playing=len(active))
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
             prompts = [encode_prompt(args, tokenizer, games[i].task_description,
@@ -764,6 +770,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             tr["rewards"].append(reward)
             tr["history"].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
+    if steps is not None:
+        steps.close()
     for tr in trajs:
         del tr["history"]
     return trajs
@@ -791,7 +799,8 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     t0 = time.time()
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
-    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
+    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng,
+                    desc=f"expert demonstrations ({len(tasks)} tasks)")
     samples = []
     for tr in demos:
         for s in [s for s in tr["steps"] if s["label"] is not None]:
@@ -863,7 +872,7 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
-                        args.eval_temperature, args.eval_top_p)
+                        args.eval_temperature, args.eval_top_p, desc=f"eval {split} (steps)")
     trajs = gather_object([summarize(t) for t in trajs])
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:

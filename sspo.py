@@ -557,9 +557,10 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 
 # ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
-            temperature: float, top_p: float = 1.0,
-            expert_rng: random.Random | None = None) -> list[dict]:
-    """Play one game per task in lock-step until all finish.
+            temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
+            desc: str | None = None) -> list[dict]:
+    """Play one game per task in lock-step until all finish (with desc, a progress line every
+    30 s: steps taken, games still going).
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
@@ -579,8 +580,11 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+    steps = Progress(args.max_episode_steps, desc) if desc else None
     while batch.active():
         active = batch.active()
+        if steps is not None:
+            steps.update(1, playing=len(active))
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
             prompts = [encode_prompt(args, tokenizer, games[i].task_description,
@@ -620,6 +624,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             tr["rewards"].append(reward)
             tr["history"].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
+    if steps is not None:
+        steps.close()
     for tr in trajs:
         del tr["history"]
     return trajs
@@ -647,7 +653,8 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     t0 = time.time()
     rng = random.Random(args.seed + 1)
     tasks = rng.sample(train_tasks, min(args.bc_num_tasks, len(train_tasks)))
-    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng)
+    demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng,
+                    desc=f"expert demonstrations ({len(tasks)} tasks)")
     samples = []
     for tr in demos:
         for s in [s for s in tr["steps"] if s["label"] is not None]:
@@ -719,7 +726,7 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
-                        args.eval_temperature, args.eval_top_p)
+                        args.eval_temperature, args.eval_top_p, desc=f"eval {split} (steps)")
     trajs = gather_object([summarize(t) for t in trajs])
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:

@@ -16,6 +16,7 @@ vocabulary, in minutes (tests/test_gpu_check.py runs a part of it).
 
     python benchmarks/gpu_check.py                     # the GPU check (about 20 min on an H100)
     python benchmarks/gpu_check.py --scripts proxmo.py --backends hf   # a part of it
+    python benchmarks/gpu_check.py --model-only --out /tmp/qwen --layers 2  # a random local model
 """
 
 from __future__ import annotations
@@ -169,6 +170,9 @@ def main(argv: list[str]) -> str:
     parser.add_argument("--backends", nargs="+", default=None, choices=["hf", "hf-cb", "vllm"],
                         help="default: hf and hf-cb, and vllm where it is installed (CUDA)")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--model-only", action="store_true",
+                        help="only build the random-weight model in OUT/model, a local model "
+                             "directory any script takes (--model OUT/model), and stop")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--out", default=None, help="where the model, runs and logs go "
                         "(default: a temporary directory); the table goes to OUT/gpu_check.md")
@@ -196,6 +200,11 @@ def main(argv: list[str]) -> str:
     model_dir = os.path.join(out, "model")
     print(f"building {shape} ({layers or 'all'} layers) in {model_dir} ...", file=sys.stderr)
     n_params = build_model(model_dir, shape, layers, vocab_size)
+    if args.model_only:
+        print(f"random {shape} weights ({n_params / 1e6:.0f}M parameters) in {model_dir}; try: "
+              f"python proxmo.py --model {model_dir} --iterations 1 --tasks-per-iteration 2 "
+              "--max-new-tokens 16 --eval-num-tasks 2 --max-episode-steps 5")
+        return model_dir
     lines = [f"# GPU check: {time.strftime('%Y-%m-%d')}, {device_name}", "",
              f"Model: random {shape} weights, {layers or 'all'} layer(s), {n_params / 1e6:.0f}M "
              f"parameters; runs: --max-new-tokens {new_tokens}, " + " ".join(SMALL), ""]

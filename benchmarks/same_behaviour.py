@@ -113,6 +113,8 @@ def fingerprint(run_path: str) -> dict:
             key = os.path.relpath(path, checkpoint)
             if name == "README.md":  # names the run's absolute path
                 continue
+            if name == "checksums.json":  # the other files' hashes, the run's clock included
+                continue
             if name == "adapter_config.json":  # the base model's path: keep its name
                 with open(path) as f:
                     config = json.load(f)

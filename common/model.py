@@ -105,9 +105,10 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
     from transformers import AutoModelForCausalLM
 
     if name in TINY_STARTS and not os.path.isdir(TINY_STARTS[name]):
-        raise UsageError(f"the shipped {name} model is missing ({TINY_STARTS[name]}); restore "
-                         "it from git, or use --model tiny-scratch (random weights, behavior "
-                         "cloning)")
+        raise UsageError(f"the shipped {name} model is missing: copy the repository's "
+                         f"assets/{os.path.basename(TINY_STARTS[name])}/ to {TINY_STARTS[name]} "
+                         "(beside common/ and envs/; in a checkout, restore it from git), or use "
+                         "--model tiny-scratch (random weights, behavior cloning)")
     errors = []
     for candidate in resolve_model_name(name):
         # Without a reachable hub, loading a hub id retries for about a minute before failing:

@@ -45,7 +45,8 @@ from safetensors import SafetensorError
 import envs
 from common import RunStopped, UsageError
 from common.dist import launch_errors, start_processes
-from common.model import check_lora_targets, load_model_and_tokenizer, resolve_model_name
+from common.model import (TINY_NAMES, check_lora_targets, load_model_and_tokenizer,
+                          resolve_model_name)
 from envs.text import PROMPT_WORDS
 
 
@@ -187,16 +188,16 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _files(folder: str) -> list[str]:
+    """The paths of every file under `folder`, relative to it, but the checksums file."""
+    found = [os.path.relpath(os.path.join(root, name), folder)
+             for root, _, names in os.walk(folder) for name in names]
+    return sorted(f for f in found if f != CHECKSUMS)
+
+
 def checksums(folder: str) -> dict[str, str]:
     """Every file under `folder` (relative path -> sha256), but the checksums file."""
-    found = {}
-    for root, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(root, name)
-            relative = os.path.relpath(path, folder)
-            if relative != CHECKSUMS:
-                found[relative] = _sha256(path)
-    return found
+    return {relative: _sha256(os.path.join(folder, relative)) for relative in _files(folder)}
 
 
 def checksum_errors(folder: str) -> list[str]:
@@ -219,6 +220,8 @@ def checksum_errors(folder: str) -> list[str]:
             errors.append(f"{relative} is missing")
         elif _sha256(path) != digest:
             errors.append(f"{relative} differs from what was saved")
+    errors += [f"{relative} is not in {CHECKSUMS}" for relative in _files(folder)
+               if relative not in expected]
     return errors
 
 
@@ -282,20 +285,56 @@ def start_run(args, script: str, errors: list[str], method: str | None = None,
                          f"{len(train_tasks)} training tasks")
     eval_tasks = {split: envs.list_tasks(args.env, split, args.eval_num_tasks or None)
                   for split in args.eval_splits}
-    print(json.dumps(asdict(args), indent=1))
+    print(describe(args, script, run.path))
+    quiet_libraries()
     return dist, run, train_tasks, eval_tasks
 
 
+def describe(args, script: str, path: str) -> str:
+    """What a run will do, in a few lines (every setting goes to its config.json)."""
+    tasks = f"first {args.eval_num_tasks}" if args.eval_num_tasks else "all"
+    lines = [f"{script} --advantage {args.advantage} --env {args.env} --model {args.model} "
+             f"({args.device}, {args.backend} backend, seed {args.seed})",
+             f"  RL: {args.iterations} iterations x {args.tasks_per_iteration} tasks x "
+             f"{args.group_size} episodes, <= {args.max_episode_steps} steps of <= "
+             f"{args.max_new_tokens} new tokens, lr {args.learning_rate:g}",
+             f"  evaluation: {tasks} {'/'.join(args.eval_splits)} tasks "
+             f"(T={args.eval_temperature:g}) at 0, every {args.eval_every} iterations and at "
+             "the end",
+             f"  {'resumes' if args.resume else 'run directory'}: {path}"]
+    if args.bc_epochs > 0 and not args.resume:
+        lines.insert(2, f"  behavior cloning first: {args.bc_epochs} epochs on "
+                        f"{args.bc_num_tasks} expert-played training tasks")
+    if args.device == "cpu" and args.model not in TINY_NAMES and args.iterations > 20:
+        lines += [f"note: --model {args.model} takes the real presets above: hours per "
+                  "iteration on a CPU.", "  A small run: --iterations 2 --tasks-per-iteration 2 "
+                  "--max-new-tokens 64, or --model tiny"]
+    return "\n".join(lines)
+
+
+def quiet_libraries() -> None:
+    """Keeps known library noise out of a run's output and log: transformers' weight-loading
+    bars and its deprecation of the gradient-checkpointing names that peft still calls."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated",
+                            category=FutureWarning)
+
+
 class Run:
-    """runs/<exp-name>__<env>__<method>__<seed>__<time>, or the --resume directory; with --resume,
-    `state` is its checkpoint's trainer_state.pt, checked before anything is written."""
+    """runs/<exp-name>__<env>__<method>__<seed>__<UTC time>, or the --resume directory; with
+    --resume, `state` is its checkpoint's trainer_state.pt, checked before anything is written."""
 
     opened = None  # this process's open Run, for the message of an interrupted run
 
     def __init__(self, args, script: str, method: str | None = None):
         self.args, self.script, self.dist = args, script, PartialState()
         method = method or args.advantage
-        name = f"{args.exp_name}__{args.env}__{method}__{args.seed}__{int(time.time())}"
+        began = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time()))  # UTC
+        name = f"{args.exp_name}__{args.env}__{method}__{args.seed}__{began}"
         name = broadcast_object_list([name])[0]  # the main process's clock names the run
         self.path = args.resume or os.path.join(args.run_dir, name)
         self.checkpoint = os.path.join(self.path, "checkpoint")  # the link to the last one
@@ -360,7 +399,9 @@ class Run:
             self._relink()  # killed between two renames of a save: its newest whole checkpoint
         self.dist.wait_for_everyone()
         if not os.path.isfile(file):
-            raise UsageError(f"--resume {resume}: no checkpoint/trainer_state.pt in it")
+            raise UsageError(f"--resume {resume}: no checkpoint/trainer_state.pt in it (stopped "
+                             f"before its first save, every --save-every {self.args.save_every} "
+                             "iterations): nothing to resume, start the run again")
         if not os.path.isfile(os.path.join(self.checkpoint, "adapter_config.json")):
             raise UsageError(f"--resume {resume}: its checkpoint has no adapter_config.json")
         damaged = checksum_errors(os.path.realpath(self.checkpoint))
@@ -372,6 +413,10 @@ class Run:
         except Exception as e:  # a file damaged by hand or by the disk: torch's error names none
             raise UsageError(f"--resume {resume}: {file} cannot be read ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if "base_weights" in state and not os.path.isfile(os.path.join(self.checkpoint,
+                                                                        CHECKSUMS)):
+            raise UsageError(f"--resume {resume}: its checkpoint was saved with {CHECKSUMS}, "
+                             "which is gone; it cannot be checked, so it is not resumed")
         missing = [k for k in ("iteration", "history") if not isinstance(state, dict)
                    or k not in state]
         if missing:
@@ -416,8 +461,16 @@ class Run:
         vocabulary = None
         if args.model == "tiny-scratch":
             vocabulary = envs.vocabulary(args.env) + PROMPT_WORDS
-        model, tokenizer = load_model_and_tokenizer(name, vocabulary=vocabulary, seed=args.seed,
-                                                    dtype=dtype, device=self.device)
+        try:
+            model, tokenizer = load_model_and_tokenizer(name, vocabulary=vocabulary,
+                                                        seed=args.seed, dtype=dtype,
+                                                        device=self.device)
+        except UsageError as e:
+            if name != base:
+                raise
+            reason = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+            raise UsageError(f"--resume {self.path}: its base_model/ cannot be loaded "
+                             f"({reason})") from None
         check_lora_targets(model, args.lora_target_modules)  # before the directory exists
         if args.gradient_checkpointing:  # from BC on (less memory); non-reentrant: LoRA works
             model.gradient_checkpointing_enable(
@@ -483,8 +536,10 @@ class Run:
         """The run directory, its config.json (a resume's command joins the first's at its first
         save: a resume that fails before it leaves the run as it was) and the loggers."""
         if self.dist.is_main_process and not self.args.resume:
-            self.path = self._new_directory()
+            planned, self.path = self.path, self._new_directory()
             self._lock()  # a directory made just now: no other run holds it
+            if self.path != planned:
+                print(f"run directory: {self.path} ({os.path.basename(planned)} was taken)")
         self.path = broadcast_object_list([self.path])[0]
         self.checkpoint = self.file("checkpoint")
         self.began = time.time()  # the clock of summary.json's minutes: work, not waiting
@@ -682,7 +737,7 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
         start = "n/a (resumed)" if start is None else f"{start:.3f}"
         print(f"done: {headline} success {start} (start) -> {summary['final_success']:.3f} "
               f"(final), best {summary['best_success']:.3f}; logs and checkpoint in {self.path} "
-              f"(tensorboard --logdir {args.run_dir})")
+              f"(tensorboard --logdir {os.path.dirname(self.path)})")
         if self.dist.num_processes > 1:
             self.dist.destroy_process_group()
         return summary

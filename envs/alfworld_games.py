@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="data root to write json_2.1.1/<split>/... under (set ALFWORLD_DATA "
                              "to it)")
     parser.add_argument("--per-type", type=int, default=20,
-                        help="games per task type and split (default 20)")
+                        help="games per task type and split (default 20: 360 games, about 15 "
+                             "minutes on 2 cores; 100: about 2 hours)")
     parser.add_argument("--seed", type=int, default=1, help="seeds every draw (default 1)")
     parser.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS,
                         metavar="SPLIT", help=f"splits to write (default all: {' '.join(SPLITS)})")
@@ -418,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     for (split, task_type), count in short.items():
         print(f"  only {count} {task_type} games in {split}: the expert lost the other draws",
               file=sys.stderr)
+    print(f"to use them, type:\n  export ALFWORLD_DATA={os.path.abspath(args.out)}")
     return 0
 
 

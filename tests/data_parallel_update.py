@@ -69,7 +69,7 @@ def prm_step(model, tokenizer, samples: list[tuple], share_of_process_0: int) ->
     the old log-probs are those of the zero adapter; every process scores the whole batch (the
     gathered one) and steps on its share of whole trajectories."""
     dist = PartialState()
-    steps = [(p, r) for p, r, _, _ in samples]
+    steps = [istar.ScoredStep(p, r, None) for p, r, _, _ in samples]
     with model.disable_adapter():
         old = istar.score_responses(model, tokenizer, steps, 4, 1.0)
     with torch.no_grad():
@@ -86,7 +86,7 @@ def prm_step(model, tokenizer, samples: list[tuple], share_of_process_0: int) ->
         mine = [range(share_of_process_0), range(share_of_process_0, len(batch))][
             dist.process_index]
     first_step = sum(TRAJ_STEPS[:mine.start])
-    share = [(p, r, lp) for (p, r), lp in list(zip(steps, old))[
+    share = [step._replace(old_logprobs=lp) for step, lp in list(zip(steps, old))[
         first_step:first_step + sum(TRAJ_STEPS[i] for i in mine)]]
     args = istar.Args(micro_batch_size=3)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)

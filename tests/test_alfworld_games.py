@@ -300,3 +300,13 @@ def test_speed_benchmark_at_a_tiny_size(data_root, monkeypatch, capsys):
     # three games cycle over the split's two: the first plays twice
     assert "batch of 3 games, workers 0: made and reset in" in out
     assert f", {steps + first} steps in " in out and "one game (1 games, engine cache on)" in out
+
+
+def test_the_generator_ends_with_the_line_to_type(tmp_path, monkeypatch, capsys):
+    """Its last line is the export that makes the scripts find the games: the data root given
+    to --out, not its json_2.1.1 folder."""
+    monkeypatch.setattr(alfworld_games, "generate",
+                        lambda out, per_type, *rest: {("train", "pick"): ["g"] * per_type})
+    assert alfworld_games.main(["--out", str(tmp_path / "data"), "--per-type", "2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"  export ALFWORLD_DATA={tmp_path / 'data'}"

@@ -8,8 +8,8 @@ import torch
 
 import envs
 from common.model import add_lora, load_model_and_tokenizer, response_logprobs
-from istar import (Args, Policy, implicit_step_rewards, prm_update, rollout, score_responses,
-                   step_rewards_per_trajectory, summarize, trajectory_dpo_loss)
+from istar import (Args, Policy, ScoredStep, implicit_step_rewards, prm_update, rollout,
+                   score_responses, step_rewards_per_trajectory, summarize, trajectory_dpo_loss)
 
 
 def tiny_batch(n_groups=2, group_size=3, steps=5):
@@ -27,7 +27,8 @@ def tiny_batch(n_groups=2, group_size=3, steps=5):
 
 def test_a_prm_equal_to_the_policy_gives_exact_zero_rewards():
     args, policy, prm, tokenizer, trajs = tiny_batch()
-    steps = [(s["prompt"], s["response_ids"]) for tr in trajs for s in tr["steps"]]
+    steps = [ScoredStep(s["prompt"], s["response_ids"], None)
+             for tr in trajs for s in tr["steps"]]
     old = score_responses(policy, tokenizer, steps, 4, 1.0)
     mine = score_responses(prm, tokenizer, steps, 4, 1.0)
     rewards = step_rewards_per_trajectory(trajs, mine, old, 0.05)
@@ -46,7 +47,8 @@ def test_prm_step_follows_the_gradient_of_the_whole_batch_loss():
                 p.normal_(0, 0.05)
     for k, tr in enumerate(trajs):  # wins and losses in every group, whatever was played
         tr["won"] = k % 3 == 0
-    steps = [(s["prompt"], s["response_ids"]) for tr in trajs for s in tr["steps"]]
+    steps = [ScoredStep(s["prompt"], s["response_ids"], None)
+             for tr in trajs for s in tr["steps"]]
     old = score_responses(policy, tokenizer, steps, 4, 1.0)
     for tr, r in zip(trajs, step_rewards_per_trajectory(
             trajs, score_responses(prm, tokenizer, steps, 4, 1.0), old, args.beta)):
@@ -72,7 +74,8 @@ def test_prm_step_follows_the_gradient_of_the_whole_batch_loss():
     optimizer = torch.optim.SGD(params, lr=1.0)
     before = [p.detach().clone() for p in params]
     stats = prm_update(args, prm, tokenizer, optimizer, batch,
-                       [(p, r, lp) for (p, r), lp in zip(steps, old)], range(len(trajs)), 1)
+                       [step._replace(old_logprobs=lp) for step, lp in zip(steps, old)],
+                       range(len(trajs)), 1)
     assert stats["prm/pairs"] == 4
     assert abs(stats["prm/dpo_loss"] - loss.item()) < 1e-6
     for b, p, g in zip(before, params, expected):  # SGD with lr 1: the step is -gradient

@@ -142,7 +142,7 @@ def test_two_runs_started_in_one_second_get_a_directory_each(tmp_path, monkeypat
     first, second = common.run.Run(args, "proxmo.py"), common.run.Run(args, "proxmo.py")
     first.open()
     second.open()
-    assert os.path.basename(first.path) == "proxmo__household__proxmo__1__1000000"
+    assert os.path.basename(first.path) == "proxmo__household__proxmo__1__19700112-134640"  # UTC
     assert second.path == first.path + "-2" and os.path.isdir(second.path)
     for r in (first, second):
         r.writer.close()
@@ -268,11 +268,12 @@ def test_a_checkpoint_or_start_not_as_saved_is_refused_by_name(tmp_path):
     saved = open(weights, "rb").read()
     with open(weights, "r+b") as f:
         f.truncate(len(saved) // 2)
-    refused("cannot load model")
+    refused("its base_model/ cannot be loaded")
     open(weights, "wb").write(saved)
-    os.remove(os.path.join(checkpoint, "checksums.json"))  # as saved before checksums
+    os.remove(os.path.join(checkpoint, "checksums.json"))  # as saved before checksums:
     state_file = os.path.join(checkpoint, "trainer_state.pt")
     state = torch.load(state_file, weights_only=False)
+    del state["base_weights"]  # nor the start's digest
     torch.save({**state, "optimizer": {"state": {}, "param_groups": []}}, state_file)
     refused("its checkpoint's optimizer does not fit this run")
     torch.save(state, state_file)
@@ -329,3 +330,18 @@ def test_a_full_disk_at_the_first_write_leaves_no_directory(tmp_path, monkeypatc
     with pytest.raises(RunStopped, match="No space left on device.*nothing was kept"):
         run_.open()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_whose_checksums_were_removed_or_emptied_is_refused(tmp_path):
+    """Deleting checksums.json, or emptying it, does not turn the check off for a checkpoint
+    that was saved with one."""
+    run(["--iterations", "1", "--run-dir", str(tmp_path / "runs"), *SMALL], tmp_path)
+    (run_path,) = glob.glob(str(tmp_path / "runs" / "*"))
+    listed = os.path.join(run_path, "checkpoint", "checksums.json")
+    with open(listed, "w") as f:
+        f.write("{}")
+    emptied = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
+    assert "adapter_model.safetensors is not in checksums.json" in emptied.stderr
+    os.remove(listed)
+    removed = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
+    assert "saved with checksums.json, which is gone" in removed.stderr
