@@ -454,8 +454,25 @@ def plot(script: str, split: str, results: dict[str, dict[int, dict]], pairs: di
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6),
-                                      gridspec_kw={"width_ratios": [3, 2]})
+    records = [r for runs in results.values() for r in runs.values()]
+    steps = sorted(set.intersection(*(set(r["evaluations"]) for r in records)), key=int)
+    if len(steps) > 2:  # a curve of evaluations too (--eval-every)
+        fig, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 3.6),
+                                                  gridspec_kw={"width_ratios": [3, 2, 2]})
+        key = f"eval_{split}/success"
+        for estimator, runs in results.items():
+            stats = [mean_and_se([r["evaluations"][k][key] for r in runs.values()])
+                     for k in steps]
+            middle.errorbar([int(k) for k in steps], [m for m, _ in stats],
+                            yerr=[0 if math.isnan(e) else e for _, e in stats], capsize=3,
+                            marker="o", label=f"{estimator} ({len(runs)} seeds)")
+        middle.set_xlabel("iteration")
+        middle.set_ylabel(f"{split} success (all tasks)")
+        middle.set_title("evaluations, mean +- SE over seeds", fontsize=9)
+        middle.legend(fontsize=7)
+    else:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6),
+                                          gridspec_kw={"width_ratios": [3, 2]})
     for estimator, runs in results.items():
         curves = [r["train_success"] for r in runs.values() if r["train_success"]]
         if not curves:

@@ -226,7 +226,7 @@ def test_a_record_filed_under_another_run_is_refused_by_name(tmp_path, monkeypat
     (["--estimators", "proxmo", "bogus"], "--estimators bogus: proxmo.py's --advantage takes"),
     (["--seeds", "1", "-1"], "--seeds -1: a seed is in [0, 2**32)"),
     (["--", "--learning-rate", "nan"], "--learning-rate must be finite"),
-    (["--", "--group-size", "0"], "--group-size must be >= 1"),
+    (["--", "--group-size", "0"], "--group-size must be in [1, 1024]"),
 ])
 def test_every_estimator_seed_and_flag_is_checked_before_the_first_run(argv, message, tmp_path,
                                                                        capsys):

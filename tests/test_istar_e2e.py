@@ -130,7 +130,7 @@ def test_help_lists_the_flags(tmp_path):
     (["--step-weight", "-1"], "--step-weight must be >= 0"),
     (["--prm-learning-rate", "0"], "--prm-learning-rate must be > 0"),
     (["--prm-learning-rate=-5e-4"], "--prm-learning-rate must be > 0"),
-    (["--advantage", "rloo", "--learning-rate=-1e-3"], "--learning-rate must be > 0"),
+    (["--advantage", "rloo", "--learning-rate=-1e-3"], "--learning-rate must be in (0, 1]"),
     (["--prm-max-grad-norm", "inf"], "--prm-max-grad-norm must be finite"),
     (["--estimator", "ppo"], "--estimator"),
     (["--traj-agg", "median"], "--traj-agg"),

@@ -168,15 +168,15 @@ def test_help_lists_the_flags(tmp_path):
     (["--backend", "vllm", "--device", "cpu"], "needs a CUDA GPU"),
     (["--resume", "/nonexistent/run"], "no such run directory"),
     (["--rollout-temperature", "0"], "must be > 0"),
-    (["--group-size", "0"], "--group-size must be >= 1"),
+    (["--group-size", "0"], "--group-size must be in [1, 1024]"),
     (["--tasks-per-iteration", "0"], "--tasks-per-iteration must be >= 1"),
     (["--tasks-per-iteration", "5000"], "exceeds the 4000 training tasks"),
     (["--eval-num-tasks", "-1"], "--eval-num-tasks must be >= 0"),
-    (["--learning-rate", "-1"], "--learning-rate must be > 0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--learning-rate", "-1"], "--learning-rate must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be in [1, 32768]"),
     (["--eval-splits", "valid_unseen"], "--eval-splits must be among train, valid, test"),
     (["--group-size", "0", "--learning-rate", "-1"],
-     "--group-size must be >= 1\n--learning-rate must be > 0"),
+     "--group-size must be in [1, 1024]\n--learning-rate must be in (0, 1]"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, tmp_path):
     """Rejected before any work: no behavior cloning, no configuration dump, no run directory."""
