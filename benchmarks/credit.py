@@ -382,14 +382,15 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
                    rollout_temperature=batch.args.rollout_temperature)
     policy = istar.Policy(args, batch.model, batch.tokenizer)
 
-    def step_rewards(prm, trajs: list[dict]) -> tuple[list[list[float]], list[tuple]]:
-        steps = [(s["prompt"], s["response_ids"]) for tr in trajs for s in tr["steps"]]
+    def step_rewards(prm, trajs: list[dict]) -> tuple[list[list[float]], list]:
+        steps = [istar.ScoredStep(s["prompt"], s["response_ids"], None)
+                 for tr in trajs for s in tr["steps"]]
         old = istar.score_responses(batch.model, batch.tokenizer, steps, args.micro_batch_size,
                                     args.rollout_temperature)
         new = istar.score_responses(prm, batch.tokenizer, steps, args.micro_batch_size,
                                     args.rollout_temperature)
         rewards = istar.step_rewards_per_trajectory(trajs, new, old, args.beta)
-        return rewards, [(p, r, lp) for (p, r), lp in zip(steps, old)]
+        return rewards, [step._replace(old_logprobs=lp) for step, lp in zip(steps, old)]
 
     pool = [t for t in envs.list_tasks("household", "train") if t not in set(batch.task_ids)]
     task_rng = random.Random(args.seed)

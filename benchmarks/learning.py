@@ -607,6 +607,15 @@ def main(argv: list[str]) -> str:
     if not results:
         raise SystemExit(f"no finished run in {records_dir} or {runs_dir}")
     pairs = paired_differences(args.split, results)
+    for method, pair in pairs.items():  # a comparison's arms run at one code version
+        for seed in pair["seeds"]:
+            commits = {results[arm][seed].get("commit", "not recorded")
+                       for arm in (method, pair["baseline"])}
+            if len(commits) > 1 or "not recorded" in commits:
+                shown = sorted(c if c == "not recorded" else c[:7] for c in commits)
+                print(f"note: {method} - {pair['baseline']} seed {seed}: the arms' commits are "
+                      f"{', '.join(shown)}; rerun the older arm (delete its record) before a "
+                      "claim", file=sys.stderr)
     markdown = table(args.script, args.split, results)
     if pairs:
         markdown += "\n\n" + paired_table(pairs)

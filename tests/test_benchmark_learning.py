@@ -239,28 +239,28 @@ def test_every_estimator_seed_and_flag_is_checked_before_the_first_run(argv, mes
     assert not (tmp_path / "runs").exists() and not (tmp_path / "records").exists()
 
 
-def _record(**end):
+def _whole_record(**end):
     stats = {"eval_test/success": 0.5, "eval_test/grounding": 0.6, "eval_test/episode_length": 20}
     return {"minutes": 10.0, "evaluations": {"0": dict(stats), "20": {**stats, **end}}}
 
 
 @pytest.mark.parametrize("record, says", [
-    (_record(**{"eval_test/success": float("nan")}), "eval_test/success is nan"),
-    (_record(**{"eval_test/success": float("inf")}), "eval_test/success is inf"),
-    (_record(**{"eval_test/success": 17.0}), "eval_test/success is 17.0"),
-    (_record(**{"eval_test/success": "0.6"}), "eval_test/success is '0.6'"),
-    ({"minutes": 1.0, "evaluations": {"0": _record()["evaluations"]["0"]}},
+    (_whole_record(**{"eval_test/success": float("nan")}), "eval_test/success is nan"),
+    (_whole_record(**{"eval_test/success": float("inf")}), "eval_test/success is inf"),
+    (_whole_record(**{"eval_test/success": 17.0}), "eval_test/success is 17.0"),
+    (_whole_record(**{"eval_test/success": "0.6"}), "eval_test/success is '0.6'"),
+    ({"minutes": 1.0, "evaluations": {"0": _whole_record()["evaluations"]["0"]}},
      "not the start and later iterations"),
     ({"minutes": 1.0}, "no start evaluation"),
-    ({"minutes": 1.0, "evaluations": {"20": _record()["evaluations"]["20"]}},
+    ({"minutes": 1.0, "evaluations": {"20": _whole_record()["evaluations"]["20"]}},
      "no start evaluation"),
-    ({**_record(), "evaluations": {k: {"eval_valid/success": 0.5}
+    ({**_whole_record(), "evaluations": {k: {"eval_valid/success": 0.5}
                                    for k in ("0", "20")}}, "eval_test/success is None"),
 ])
 def test_a_damaged_record_is_refused_by_name(record, says, capsys):
     """NaN, infinity, a success above 1 or a string, a record with only its start evaluation,
     none, or another split's keys: exit status 2 and one line, before any table is written."""
-    check_record(_record(), "test", "ok.json")  # a whole record passes
+    check_record(_whole_record(), "test", "ok.json")  # a whole record passes
     with pytest.raises(SystemExit) as stopped:
         check_record(record, "test", "grpo-seed1.json")
     assert stopped.value.code == 2

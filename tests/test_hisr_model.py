@@ -256,7 +256,7 @@ def test_saved_reward_models_load_back_to_the_same_scores(tiny, tmp_path):
     reading = tmp_path / "reading.json"
     reading.write_text(json.dumps({**json.loads(reading.read_text()),
                                    "hindsight_admissible": False}))
-    with pytest.raises(UsageError, match="--no-hindsight-admissible .removed in issue 44"):
+    with pytest.raises(UsageError, match="--no-hindsight-admissible .removed; docs/hisr.md"):
         load_reward_models(args, model, str(tmp_path))
 
 

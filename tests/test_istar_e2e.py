@@ -111,6 +111,14 @@ def test_resume_without_the_prm_is_a_clear_error(tmp_path):
     with open(os.path.join(run_path, "config.json")) as f:
         config = f.read()
     result = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
+    assert "prm/adapter_config.json is missing" in result.stderr  # its checksum names it
+    assert "Traceback" not in result.stderr
+    os.remove(os.path.join(run_path, "checkpoint", "checksums.json"))  # a checkpoint before them
+    state_file = os.path.join(run_path, "checkpoint", "trainer_state.pt")
+    state = torch.load(state_file, weights_only=False)
+    del state["base_weights"]
+    torch.save(state, state_file)
+    result = run(["--resume", run_path, "--iterations", "2"], tmp_path, expect=2)
     assert "no checkpoint/prm/" in result.stderr and "Traceback" not in result.stderr
     with open(os.path.join(run_path, "config.json")) as f:  # a failed resume is not recorded
         assert f.read() == config
