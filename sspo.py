@@ -576,15 +576,12 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
                             workers=args.env_workers) for t in tasks]
-    batch = EnvBatch(games)
+    batch = EnvBatch(games, desc, args.max_episode_steps)
     batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
-    steps = Progress(args.max_episode_steps, desc) if desc else None
     while batch.active():
         active = batch.active()
-        if steps is not None:
-            steps.update(1, playing=len(active))
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
             prompts = [encode_prompt(args, tokenizer, games[i].task_description,
@@ -624,8 +621,6 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             tr["rewards"].append(reward)
             tr["history"].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
-    if steps is not None:
-        steps.close()
     for tr in trajs:
         del tr["history"]
     return trajs

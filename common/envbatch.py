@@ -12,13 +12,19 @@ import signal
 import time
 import traceback
 
+from common.progress import Progress
+
 
 class EnvBatch:
-    def __init__(self, games: list):
+    """With `desc`, a progress line every 30 s while the games run: steps taken of `max_steps`,
+    games still going (common/progress.py)."""
+
+    def __init__(self, games: list, desc: str | None = None, max_steps: int = 0):
         self.games = games
         self.observations: list[str] = []
         self.done: list[bool] = []
         self.won: list[bool] = []
+        self.progress = Progress(max_steps, desc) if desc else None
 
     def reset(self) -> list[str]:
         self.observations = _call_all(self.games, "reset", [()] * len(self.games))
@@ -42,6 +48,10 @@ class EnvBatch:
         for i, (obs, reward, done, info) in zip(indices, answers):
             self.observations[i], self.done[i], self.won[i] = obs, done, bool(info["won"])
             results[i] = (obs, reward, done, info)
+        if self.progress is not None:
+            self.progress.update(1, playing=len(self.active()))
+            if not self.active():
+                self.progress.close()
         return results
 
 
