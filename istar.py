@@ -938,7 +938,6 @@ def main(args: Args) -> dict:
         policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
         for split, tasks in eval_tasks.items():
             t0 = time.time()
-            # At 0 with --start-evaluations: the start's stored evaluation, if one matches.
             stats = run.evaluation(split, iteration, lambda: evaluate(args, policy, split, tasks))
             run.log(stats, iteration)
             history.setdefault(iteration, {}).update(stats)
@@ -970,9 +969,8 @@ def main(args: Args) -> dict:
             with timer("prm_update"):
                 prm_stats = prm_update(args, prm, tokenizer, prm_optimizer, batch, scored,
                                        range(first, first + len(trajs)), iteration)
-        my_advantages = [float(a) for adv in advantages for a in adv]
-        samples = [StepSample(s.prompt, s.response, a, s.old_logprobs)
-                   for s, a in zip(scored, my_advantages)]
+        samples = [StepSample(s.prompt, s.response, float(a), s.old_logprobs)  # this process's
+                   for s, a in zip(scored, [a for adv in advantages for a in adv])]
         # (8, 9) the clipped policy-gradient update (Eq. 6); the next rollouts are pi_old's.
         policy.sleep()  # --vllm-sleep: the engine's memory to the update
         with timer("update"):  # less the scoring passes, timed inside it

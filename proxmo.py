@@ -753,7 +753,6 @@ def main(args: Args) -> dict:
         policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
         for split, tasks in eval_tasks.items():
             t0 = time.time()
-            # At 0 with --start-evaluations: the start's stored evaluation, if one matches.
             stats = run.evaluation(split, iteration, lambda: evaluate(args, policy, split, tasks))
             run.log(stats, iteration)
             history.setdefault(iteration, {}).update(stats)
