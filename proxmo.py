@@ -276,10 +276,11 @@ def compute_advantages(args: Args, trajectories: list[dict],
     groups = [t["group"] for t in trajectories]
     if args.advantage in ORACLES:
         labels = [torch.tensor(t["progress"], dtype=torch.float64) for t in trajectories]
-        progress = oracle_step_advantages(labels)
         if args.advantage == "placebo":
             permutation = torch.randperm(sum(len(p) for p in labels), generator=generator)
             progress = placebo_step_advantages(labels, permutation)
+        else:
+            progress = oracle_step_advantages(labels)
     if args.advantage == "proxmo":
         advantages = proxmo_batch_advantages(
             outcomes, rewards, states, groups, max_features=args.tfidf_max_features,

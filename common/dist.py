@@ -5,7 +5,6 @@ optimizer step. `python <script>.py` is one process, and nothing here communicat
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -17,22 +16,13 @@ from accelerate import PartialState
 from accelerate.utils import broadcast, gather_object, reduce
 from torch import Tensor
 
-from common import UsageError
-
-
-MAX_TIMEOUT_MINUTES = 10080  # a week: a collective that waits longer is a hung run
-
 
 def start_processes(args) -> PartialState:
     """This process's PartialState (gloo between CPU processes, NCCL between GPUs), whose
     collectives wait up to --process-timeout-minutes for the slowest process (torch's own 10
     minutes for NCCL is too short for a long evaluation). Only the first PartialState of a
-    process sets this: call it before any other. A timeout the clock cannot hold is refused
-    here, before the flags' other checks, since no process group can start with it."""
-    minutes = args.process_timeout_minutes
-    if not (math.isfinite(minutes) and 0 < minutes <= MAX_TIMEOUT_MINUTES):
-        raise UsageError(f"--process-timeout-minutes must be in (0, {MAX_TIMEOUT_MINUTES}] "
-                         f"(got {minutes})")
+    process sets this: call it before any other (start_run refuses, before it, a timeout out
+    of common/config.py's range, which no process group could start with)."""
     return PartialState(cpu=args.device == "cpu",
                         timeout=timedelta(minutes=args.process_timeout_minutes))
 
