@@ -51,6 +51,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -61,20 +62,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.nn.functional as F
 from accelerate import PartialState
-from accelerate.utils import gather_object
 from torch import Tensor
 
 import envs
 from common import UsageError, config
 from common.config import HarnessArgs
-from common.dist import (mean_across_processes, minibatches, process_share, same_start,
-                         sum_across_processes)
+from common.dist import (mean_across_processes, minibatches, my_share, same_start,
+                         sum_across_processes, whole_batch)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           next_token_losses, pad_rows, response_logprobs, scored_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, start_run, timer, timings
+from common.run import Run, check_finite, rollout_stats, start_run, timer, timings
 from envs.text import encode_prompt, expert_response, is_well_formed, parse_action
 
 
@@ -412,11 +412,11 @@ def score_rollouts(args: Args, model, prm, tokenizer, trajs: list[dict]) -> list
 
 
 def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples: list[ScoredStep],
-               mine: range, iteration: int) -> dict:
+               mine: slice, iteration: int) -> dict:
     """One DPO step of the PRM on the batch's preference pairs (Eq. 2).
 
     batch: every process's summarized trajectories with their "step_rewards" (raw, from the PRM
-    before this step); mine: the indices in batch of this process's trajectories; samples: their
+    before this step); batch[mine]: this process's trajectories (whole_batch); samples: their
     steps, in trajectory order, then step order.
     The gradient is exactly that of the batch's DPO loss, taken in micro-batches: dLoss/dr_t from
     the scored rewards first, then sum_t dLoss/dr_t * r_t(phi) backpropagated through the PRM.
@@ -434,8 +434,8 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
              "prm/pairs": n_pairs}
     loss.backward()
     # dLoss/dr_t per step of this process; a trajectory in no pair got no gradient: 0.
-    coefficients = [c for i in mine for c in (rewards[i].grad if rewards[i].grad is not None
-                                              else torch.zeros(len(rewards[i]))).tolist()]
+    coefficients = [c for r in rewards[mine] for c in (r.grad if r.grad is not None
+                                                       else torch.zeros(len(r))).tolist()]
     assert len(coefficients) == len(samples), "samples must be the steps of batch[mine]"
     trained = [k for k, c in enumerate(coefficients) if c != 0]
     lengths = [len(s.prompt) + len(s.response) for s in samples]
@@ -450,7 +450,6 @@ def prm_update(args: Args, prm, tokenizer, optimizer, batch: list[dict], samples
                                           temperature=args.rollout_temperature)
         old = pad_rows([torch.as_tensor(samples[k].old_logprobs) for k in idx],
                        logp.shape[1]).to(device)
-        mask = mask.to(device)
         step_rewards = torch.stack([implicit_step_reward(logp[j], old[j], args.beta, mask[j])
                                     for j in range(len(idx))])  # Eq. 1, with grad
         weights = torch.tensor([coefficients[k] for k in idx], dtype=step_rewards.dtype,
@@ -508,11 +507,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 # ---- 4. Arguments -------------------------------------------------------------------------------
 @dataclass
 class Args(HarnessArgs):
-    """iStar (and the RLOO / GRPO baselines) for multi-turn LLM agents.
-
-    The defaults shown are those of the --model, --env and --advantage given (the dataclass
-    holds tiny's, PRESETS what the others change); the device, evaluation splits and env workers
-    follow the machine and the env. The first flags, where and how a run goes, are shared."""
+    """iStar (and the RLOO / GRPO baselines) for multi-turn LLM agents."""
 
     exp_name: str = "istar"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
     seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
@@ -555,7 +550,6 @@ class Args(HarnessArgs):
     micro_batch_size: int = 16  # step samples per forward pass
     max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
     rollout_temperature: float = 1.0  # sampling temperature of training rollouts (PPO scores so)
-    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     max_new_tokens: int = 12  # response length limit
     history_length: int = 1  # past (observation, action) pairs shown in the prompt
     reasoning: bool = False  # ask for <think> reasoning before the action
@@ -580,6 +574,7 @@ class Args(HarnessArgs):
     eval_every: int = 8  # iterations between evaluations, besides iteration 0 and the last
     eval_num_tasks: int = 200  # first tasks of each split to evaluate; 0 = the whole split
     eval_temperature: float = 0.4  # sampling temperature of evaluation (the papers'; 0: greedy)
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     save_every: int = 2  # iterations between checkpoints (the last iteration is always saved)
 
 
@@ -612,26 +607,27 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     (behavior-cloning data): each step records the expert's action as "label", but with
     probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
-    Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
-    [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
+    Each trajectory: {"task" (its text), "task_type", "group" (its group_ids entry), "won",
+    "rewards": [r_t], "steps": [{"prompt" (token ids), "response_ids", "logprobs" (of the
+    response tokens as sampled: always at a temperature > 0 without top-p, as in training; else
     None), "state" (the observation: GiGPO's and ProxMO's anchor text), "admissible" (the
     actions the prompt listed), "action" (executed), "next_state" (the observation it got),
     "valid" (admissible, from the env), "parsed" (the reply had an <action> tag), "well_formed"
-    (see is_well_formed), "label"}]}.
+    (also <think> with --reasoning, no Chinese: is_well_formed), "label"}]}.
     Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
                             workers=args.env_workers) for t in tasks]
-    batch = EnvBatch(games, desc, args.max_episode_steps)
-    batch.reset()
+    env_batch = EnvBatch(games, desc, args.max_episode_steps)
+    env_batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
-    while batch.active():
-        active = batch.active()
+    while env_batch.active():
+        active = env_batch.active()
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
             prompts = [encode_prompt(args, tokenizer, games[i].task_description,
-                                     trajs[i]["history"], batch.observations[i], admissible[k],
+                                     trajs[i]["history"], env_batch.observations[i], admissible[k],
                                      len(trajs[i]["steps"]) + 1)
                        for k, i in enumerate(active)]
         with timer("generation"):
@@ -652,9 +648,9 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                 labels = [None] * len(active)
                 has_action = [p is not None for p in parsed]
                 well_formed = [is_well_formed(t, args.reasoning) for t in texts]
-        states = {i: batch.observations[i] for i in active}
+        states = {i: env_batch.observations[i] for i in active}
         with timer("env"):
-            results = batch.step(dict(zip(active, commands)))
+            results = env_batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
             obs, reward, done, info = results[i]
             tr = trajs[i]
@@ -681,7 +677,7 @@ def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id:
     0, for a pretrained model: only the response logits are computed)."""
     if prompt_weight == 0:
         logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
-        response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+        response_loss = -(logp * mask).sum() / mask.sum()
         return response_loss, response_loss
     response_loss, prompt_loss = next_token_losses(model, prompts, responses, pad_id)
     return response_loss + prompt_weight * prompt_loss, response_loss
@@ -762,13 +758,12 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
     actions over all steps, and its mean over trajectories (SPA's definition). With several
     processes each plays its share of the tasks; the stats are of all."""
-    dist = PartialState()
-    share = process_share(len(tasks), dist.process_index, dist.num_processes)
+    my_tasks, indices = my_share(tasks)  # data parallel: this process's share; one: all
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
-        trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
+        trajs = rollout(args, policy.tokenizer, policy, my_tasks, indices,
                         args.eval_temperature, args.eval_top_p, desc=f"eval {split} (steps)")
-    trajs = gather_object([summarize(t) for t in trajs])
+    trajs, _ = whole_batch([summarize(t) for t in trajs])  # every process's; one: these
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:
         by_type[t["task_type"]].append(t["won"])
@@ -795,13 +790,13 @@ class StepSample(NamedTuple):
     prompt: list[int]  # token ids
     response: list[int]  # token ids
     advantage: float
-    old_logprobs: list[float] | None  # as sampled (every training rollout records them) or None
+    old_logprobs: list[float]  # of the response tokens, recorded when they were sampled
 
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSample],
                   generator: torch.Generator, iteration: int) -> dict:
-    """PPO over the step samples: old log-probs (recorded when sampled, else scored here) and
-    reference log-probs first, then `ppo_epochs` passes of shuffled mini-batches. Data parallel:
+    """PPO over the step samples: reference log-probs first (the old ones were recorded when
+    the responses were sampled), then `ppo_epochs` passes of shuffled mini-batches. Data parallel:
     `samples` is this process's share of the batch, in process order; the mini-batches are drawn
     as one process would draw them, and the update is the sum of every process's gradients."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
@@ -810,12 +805,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     prompts = [s.prompt for s in samples]
     responses = [s.response for s in samples]
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    model.eval()  # no dropout when scoring the rollout policy
-    with timer("old_logprobs"):
-        if all(s.old_logprobs is not None for s in samples):
-            old_logp = [torch.tensor(s.old_logprobs) for s in samples]
-        else:
-            old_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
+    model.eval()  # no dropout in the reference pass
+    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # recorded when sampled
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
     with timer("ref_logprobs"):
         ref_logp = old_logp
@@ -826,15 +817,17 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
     response_lengths = [len(r) for r in responses]
+    # ppo_epochs passes, each a fresh shuffle cut into mini-batches of --minibatch-size samples;
+    # mini.mine: the members among `samples`, mini.tokens: the response tokens of all of it.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
         # This process's members (mini.mine) in micro-batches, any order: the gradient is a sum.
         for idx in length_sorted_chunks(mini.mine, lengths, mb):
+            # Each (micro-batch, R): R its longest response; mask 1 on response tokens.
             logp, mask, entropy = response_logprobs(
                 model, [prompts[i] for i in idx], [responses[i] for i in idx], pad,
                 with_entropy=args.entropy_coef > 0, temperature=temperature)
-            mask = mask.to(device)
             old = pad_rows([old_logp[i] for i in idx], logp.shape[1]).to(device)
             ref = pad_rows([ref_logp[i] for i in idx], logp.shape[1]).to(device)
             adv = torch.tensor([samples[i].advantage for i in idx], dtype=torch.float32,
@@ -866,14 +859,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
 def batch_stats(args: Args, batch: list[dict], advantages: list[Tensor]) -> dict:
     """What the log shows of an iteration's batch (every process's summaries, with their
     advantages); with iStar, also its step rewards and the step term's shares of |A|."""
-    abs_advantages = [abs(float(a)) for adv in advantages for a in adv]
-    steps = [s for tr in batch for s in tr["steps"]]
-    stats = {"rollout/success": float(np.mean([t["won"] for t in batch])),
-             "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
-             "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
-             "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
-             "rollout/step_samples": len(steps),
-             "train/advantage_abs_mean": float(np.mean(abs_advantages))}
+    stats = rollout_stats(batch, advantages)
     if args.advantage == "istar":
         rewards = [r for tr in batch for r in tr["step_rewards"]]
         stats.update({"prm/step_reward_mean": float(np.mean(rewards)),
@@ -901,7 +887,7 @@ def parse_args(argv: list[str]) -> Args:
 
 def main(args: Args) -> dict:
     method = f"istar-{args.estimator}" if args.advantage == "istar" else args.advantage
-    dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args), method)
+    run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args), method)
     if args.group_size == 1:
         print("warning: --group-size 1: no baseline (an episode advantage is its raw outcome) "
               "and no DPO pair (the PRM never learns)", file=sys.stderr)
@@ -929,55 +915,48 @@ def main(args: Args) -> dict:
                                   lr=args.learning_rate, weight_decay=args.weight_decay)
     generator = torch.Generator().manual_seed(args.seed)
     task_rng = random.Random(args.seed)
-    start_iteration, history = run.restore(optimizer=optimizer, prm_optimizer=prm_optimizer,
-                                           generator=generator, task_rng=task_rng)
+    start_iteration = run.restore(optimizer=optimizer, prm_optimizer=prm_optimizer,
+                                  generator=generator, task_rng=task_rng)
 
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
-
-    def run_eval(iteration: int) -> None:
-        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
-        for split, tasks in eval_tasks.items():
-            t0 = time.time()
-            stats = run.evaluation(split, iteration, lambda: evaluate(args, policy, split, tasks))
-            run.log(stats, iteration)
-            history.setdefault(iteration, {}).update(stats)
-            progress.write_evaluation(stats, split, iteration, time.time() - t0)
+    evaluate_splits = partial(evaluate, args, policy)  # (split, tasks) -> its stats
 
     if start_iteration == 0:
-        run_eval(0)
+        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
+        run.evaluate(0, eval_tasks, evaluate_splits)
     for iteration in range(start_iteration + 1, args.iterations + 1):
         t0 = time.time()
         timings()  # the clocks restart: evaluations and set-up are not the iteration's
         # Algorithm 1. (1) B tasks x N copies, lock-step rollouts of pi_old, (2) outcomes.
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         policy.sync(run.path)
-        my_groups = process_share(len(batch_tasks), dist.process_index, dist.num_processes)
-        tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
-        groups = [g for g in my_groups for _ in range(args.group_size)]
+        # Each task N times, a group (its id: the task's index in the batch); data
+        # parallel: this process's groups only.
+        tasks, groups = my_share(batch_tasks, args.group_size)
         trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
         rollout_seconds = time.time() - t0
         # (3, 4) Eq. 1: old log-probs and step rewards, from the PRM before its DPO step.
         scored = score_rollouts(args, model, prm, tokenizer, trajs)
         # (6, 7) advantages over the whole batch (r_t over its max |r|); each process keeps its own
         with timer("advantages"):
-            batch = gather_object([summarize(t) for t in trajs])
-            first = my_groups.start * args.group_size
+            # batch: every process's trajectories (one process: these); the slice mine: these
+            batch, mine = whole_batch([summarize(t) for t in trajs])
             batch_advantages = compute_advantages(args, batch)
-            advantages = batch_advantages[first:first + len(trajs)]
+            advantages = batch_advantages[mine]
         prm_stats = {}
         if prm is not None:  # (5) Eq. 2: the PRM's DPO step on the won-lost pairs, after (4)
             with timer("prm_update"):
-                prm_stats = prm_update(args, prm, tokenizer, prm_optimizer, batch, scored,
-                                       range(first, first + len(trajs)), iteration)
+                prm_stats = prm_update(args, prm, tokenizer, prm_optimizer, batch, scored, mine,
+                                       iteration)
         samples = [StepSample(s.prompt, s.response, float(a), s.old_logprobs)  # this process's
                    for s, a in zip(scored, [a for adv in advantages for a in adv])]
         # (8, 9) the clipped policy-gradient update (Eq. 6); the next rollouts are pi_old's.
         policy.sleep()  # --vllm-sleep: the engine's memory to the update
-        with timer("update"):  # less the scoring passes, timed inside it
+        with timer("update"):  # less the reference pass, timed as ref_logprobs
             stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
-        n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
+        batch_tokens, _ = whole_batch([len(s.response) for s in samples])  # every process's
         stats.update({**prm_stats, **batch_stats(args, batch, batch_advantages),
-                      "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
+                      "rollout/tokens_per_second": sum(batch_tokens) / max(rollout_seconds, 1e-9),
                       "time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0})
         stats.update(timings())  # where the time went: each timer("x") above as time/x_seconds
@@ -990,13 +969,14 @@ def main(args: Args) -> dict:
                         update_s=round(stats["time/update_seconds"]),
                         iter_s=round(stats["time/iteration_seconds"]))
         if iteration % args.eval_every == 0 or iteration == args.iterations:
-            run_eval(iteration)
+            policy.sync(run.path)
+            run.evaluate(iteration, eval_tasks, evaluate_splits)
         if iteration % args.save_every == 0 or iteration == args.iterations:
-            run.save(model, start_path, iteration, history, adapters={"prm": prm},
+            run.save(model, start_path, iteration, adapters={"prm": prm},
                      optimizer=optimizer, prm_optimizer=prm_optimizer, generator=generator,
                      task_rng=task_rng)
     progress.close()
-    summary = run.finish(history)
+    summary = run.finish()
     policy.close()
     return summary
 

@@ -51,6 +51,7 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -59,21 +60,20 @@ import numpy as np
 # 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
-from accelerate import PartialState
 from accelerate.utils import gather_object
 from torch import Tensor
 
 import envs
 from common import UsageError, config
 from common.config import HarnessArgs
-from common.dist import (mean_across_processes, minibatches, process_share, same_start,
-                         sum_across_processes)
+from common.dist import (mean_across_processes, minibatches, my_share, same_start,
+                         sum_across_processes, whole_batch)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           next_token_losses, pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, start_run, timer, timings
+from common.run import Run, check_finite, rollout_stats, start_run, timer, timings
 from envs.text import (PROMPT_INTRO, encode_prompt, expert_response, is_well_formed,
                        parse_action)
 
@@ -592,11 +592,7 @@ def policy_forward(model, value_head, prompts: list[list[int]], responses: list[
 # ---- 4. Arguments -------------------------------------------------------------------------------
 @dataclass
 class Args(HarnessArgs):
-    """SPA (and the PPO baseline on the sparse outcome) for multi-turn LLM agents.
-
-    The defaults shown are those of the --model, --env and --advantage given (the dataclass
-    holds tiny's, PRESETS what the others change); the device, evaluation splits and env workers
-    follow the machine and the env. The first flags, where and how a run goes, are shared."""
+    """SPA (and the PPO baseline on the sparse outcome) for multi-turn LLM agents."""
 
     exp_name: str = "spa"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
     seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
@@ -653,7 +649,6 @@ class Args(HarnessArgs):
     micro_batch_size: int = 16  # step samples per forward pass
     max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
     rollout_temperature: float = 1.0  # sampling temperature of training rollouts (PPO scores so)
-    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     max_new_tokens: int = 12  # response length limit
     history_length: int = 1  # past (observation, action) pairs shown in the prompt
     reasoning: bool = False  # ask for <think> reasoning before the action
@@ -678,6 +673,7 @@ class Args(HarnessArgs):
     eval_every: int = 8  # iterations between evaluations, besides iteration 0 and the last
     eval_num_tasks: int = 200  # first tasks of each split to evaluate; 0 = the whole split
     eval_temperature: float = 0.4  # sampling temperature of evaluation (SPA's paper: 0, greedy)
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     save_every: int = 2  # iterations between checkpoints (the last iteration is always saved)
 
 
@@ -712,26 +708,27 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     (behavior-cloning data): each step records the expert's action as "label", but with
     probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
-    Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
-    [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
+    Each trajectory: {"task" (its text), "task_type", "group" (its group_ids entry), "won",
+    "rewards": [r_t], "steps": [{"prompt" (token ids), "response_ids", "logprobs" (of the
+    response tokens as sampled: always at a temperature > 0 without top-p, as in training; else
     None), "state" (the observation: GiGPO's and ProxMO's anchor text), "admissible" (the
     actions the prompt listed), "action" (executed), "next_state" (the observation it got),
     "valid" (admissible, from the env), "parsed" (the reply had an <action> tag), "well_formed"
-    (see is_well_formed), "label"}]}.
+    (also <think> with --reasoning, no Chinese: is_well_formed), "label"}]}.
     Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
                             workers=args.env_workers) for t in tasks]
-    batch = EnvBatch(games, desc, args.max_episode_steps)
-    batch.reset()
+    env_batch = EnvBatch(games, desc, args.max_episode_steps)
+    env_batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
-    while batch.active():
-        active = batch.active()
+    while env_batch.active():
+        active = env_batch.active()
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
             prompts = [encode_prompt(args, tokenizer, games[i].task_description,
-                                     trajs[i]["history"], batch.observations[i], admissible[k],
+                                     trajs[i]["history"], env_batch.observations[i], admissible[k],
                                      len(trajs[i]["steps"]) + 1)
                        for k, i in enumerate(active)]
         with timer("generation"):
@@ -752,9 +749,9 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                 labels = [None] * len(active)
                 has_action = [p is not None for p in parsed]
                 well_formed = [is_well_formed(t, args.reasoning) for t in texts]
-        states = {i: batch.observations[i] for i in active}
+        states = {i: env_batch.observations[i] for i in active}
         with timer("env"):
-            results = batch.step(dict(zip(active, commands)))
+            results = env_batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
             obs, reward, done, info = results[i]
             tr = trajs[i]
@@ -781,7 +778,7 @@ def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id:
     0, for a pretrained model: only the response logits are computed)."""
     if prompt_weight == 0:
         logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
-        response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+        response_loss = -(logp * mask).sum() / mask.sum()
         return response_loss, response_loss
     response_loss, prompt_loss = next_token_losses(model, prompts, responses, pad_id)
     return response_loss + prompt_weight * prompt_loss, response_loss
@@ -862,13 +859,12 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
     actions over all steps, and its mean over trajectories (SPA's definition). With several
     processes each plays its share of the tasks; the stats are of all."""
-    dist = PartialState()
-    share = process_share(len(tasks), dist.process_index, dist.num_processes)
+    my_tasks, indices = my_share(tasks)  # data parallel: this process's share; one: all
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
-        trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
+        trajs = rollout(args, policy.tokenizer, policy, my_tasks, indices,
                         args.eval_temperature, args.eval_top_p, desc=f"eval {split} (steps)")
-    trajs = gather_object([summarize(t) for t in trajs])
+    trajs, _ = whole_batch([summarize(t) for t in trajs])  # every process's; one: these
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:
         by_type[t["task_type"]].append(t["won"])
@@ -947,6 +943,8 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
     params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
     stats = defaultdict(list)
     response_lengths = [len(s.response) for s in samples]
+    # ppo_epochs passes, each a fresh shuffle cut into mini-batches of --minibatch-size samples;
+    # mini.mine: the members among `samples`, mini.tokens: the response tokens of all of it.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
@@ -956,7 +954,6 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
                 model, value_head, [samples[i].prompt for i in idx],
                 [samples[i].response for i in idx], pad, temperature,
                 with_entropy=args.entropy_coef > 0)
-            mask = mask.to(device)
             old = pad_rows([samples[i].old_logprobs for i in idx], logp.shape[1]).to(device)
             adv = torch.tensor([samples[i].advantage for i in idx], dtype=torch.float32,
                                device=device)
@@ -994,19 +991,12 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
 
 def batch_stats(batch: list[dict], advantages: list, returns: list) -> dict:
     """What the log shows of an iteration's batch (every process's summaries, with their
-    advantages and returns): success, grounding, well-formed replies, episode length, step
-    samples, the mean |advantage|, the critic's mean value and the share of the returns'
-    variance it explains, the mean step KL."""
-    abs_advantages = [abs(float(a)) for adv in advantages for a in adv]
+    advantages and returns): rollout_stats, the critic's mean value and the share of the
+    returns' variance it explains, the mean step KL."""
     steps = [s for tr in batch for s in tr["steps"]]
     values = np.array([s["value"] for s in steps])
     targets_g = np.array([g for ret in returns for g in ret])
-    return {"rollout/success": float(np.mean([t["won"] for t in batch])),
-            "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
-            "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
-            "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
-            "rollout/step_samples": len(steps),
-            "train/advantage_abs_mean": float(np.mean(abs_advantages)),
+    return {**rollout_stats(batch, advantages),
             "train/value_mean": float(values.mean()),
             "train/explained_variance": float(
                 1 - np.var(targets_g - values) / max(np.var(targets_g), 1e-12)),
@@ -1048,7 +1038,7 @@ def main(args: Args) -> dict:
                            "online)")
     # What the RL launch after behavior cloning takes besides its model (launch_errors):
     also = " --progress-model <its run>/progress_model" if args.advantage == "spa" else ""
-    dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
+    run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
                                                    also=also, one_process=one_process)
     explore_tasks = exploration_tasks(args, run, train_tasks)  # checked before the model loads
 
@@ -1089,35 +1079,27 @@ def main(args: Args) -> dict:
         lr=args.learning_rate, weight_decay=args.weight_decay)
     generator = torch.Generator().manual_seed(args.seed)
     task_rng = random.Random(args.seed)
-    start_iteration, history = run.restore(optimizer=optimizer, value_head=value_head,
-                                           generator=generator, task_rng=task_rng)
+    start_iteration = run.restore(optimizer=optimizer, value_head=value_head, generator=generator,
+                                  task_rng=task_rng)
 
     batch_size = args.tasks_per_iteration * args.group_size
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
-
-    def run_eval(iteration: int) -> None:
-        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
-        for split, tasks in eval_tasks.items():
-            t0 = time.time()
-            stats = run.evaluation(split, iteration, lambda: evaluate(args, policy, split, tasks))
-            run.log(stats, iteration)
-            history.setdefault(iteration, {}).update(stats)
-            progress.write_evaluation(stats, split, iteration, time.time() - t0)
+    evaluate_splits = partial(evaluate, args, policy)  # (split, tasks) -> its stats
 
     if start_iteration == 0:
-        run_eval(0)
+        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
+        run.evaluate(0, eval_tasks, evaluate_splits)
     for iteration in range(start_iteration + 1, args.iterations + 1):
         t0 = time.time()
         timings()  # the clocks restart: evaluations and set-up are not the iteration's
-        my_groups = process_share(args.tasks_per_iteration, dist.process_index,
-                                  dist.num_processes)
         if args.rl_data == "explore":  # the next batch of exploration rollouts, in order
             trajs = explore_trajs[(iteration - 1) * batch_size:iteration * batch_size]
         else:  # (1) B tasks x N copies, (2) lock-step rollouts of the current policy
             batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
             policy.sync(run.path)
-            tasks = [batch_tasks[g] for g in my_groups for _ in range(args.group_size)]
-            groups = [g for g in my_groups for _ in range(args.group_size)]
+            # Each task N times, a group (its id: the task's index in the batch); data
+            # parallel: this process's groups only.
+            tasks, groups = my_share(batch_tasks, args.group_size)
             trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
         rollout_seconds = time.time() - t0
         # (3) old log-probs and values, the reference's step KL, contributions c_t (Eq. 5).
@@ -1129,11 +1111,10 @@ def main(args: Args) -> dict:
         # (4) fused rewards (Eq. 8) and GAE over the whole batch (whitened over all of it); each
         # process keeps the advantages and returns of its trajectories.
         with timer("advantages"):
-            batch = gather_object([summarize(t) for t in trajs])
-            first = my_groups.start * args.group_size
+            # batch: every process's trajectories (one process: these); the slice mine: these
+            batch, mine = whole_batch([summarize(t) for t in trajs])
             batch_advantages, batch_returns = compute_advantages(args, batch)
-            advantages = batch_advantages[first:first + len(trajs)]
-            returns = batch_returns[first:first + len(trajs)]
+            advantages, returns = batch_advantages[mine], batch_returns[mine]
         samples = [StepSample(s["prompt"], s["response_ids"], float(a), float(g),
                               s["old_logprobs"], s["value"])
                    for tr, adv, ret in zip(trajs, advantages, returns)
@@ -1143,12 +1124,12 @@ def main(args: Args) -> dict:
         with timer("update"):
             stats = policy_update(args, model, value_head, tokenizer, optimizer, samples,
                                   generator, iteration)
-        n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
+        batch_tokens, _ = whole_batch([len(s.response) for s in samples])  # every process's
         stats.update(batch_stats(batch, batch_advantages, batch_returns))
         stats.update({"time/rollout_seconds": rollout_seconds,
                       "time/iteration_seconds": time.time() - t0})
         if args.rl_data == "online":  # explore mode generates nothing here
-            stats["rollout/tokens_per_second"] = n_tokens / max(rollout_seconds, 1e-9)
+            stats["rollout/tokens_per_second"] = sum(batch_tokens) / max(rollout_seconds, 1e-9)
         if pe is not None:
             stats.update(progress_stats(args, batch, too_long))
         stats.update(timings())  # the main process's timer("x") blocks as time/x_seconds
@@ -1160,12 +1141,13 @@ def main(args: Args) -> dict:
                         update_s=round(stats["time/update_seconds"]),
                         iter_s=round(stats["time/iteration_seconds"]))
         if iteration % args.eval_every == 0 or iteration == args.iterations:
-            run_eval(iteration)
+            policy.sync(run.path)
+            run.evaluate(iteration, eval_tasks, evaluate_splits)
         if iteration % args.save_every == 0 or iteration == args.iterations:
-            run.save(model, start_path, iteration, history, optimizer=optimizer,
+            run.save(model, start_path, iteration, optimizer=optimizer,
                      value_head=value_head, generator=generator, task_rng=task_rng)
     progress.close()
-    summary = run.finish(history)
+    summary = run.finish()
     policy.close()
     return summary
 

@@ -62,6 +62,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -70,21 +71,20 @@ import numpy as np
 # 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
-from accelerate import PartialState
 from accelerate.utils import gather_object
 from torch import Tensor
 
 import envs
 from common import config
 from common.config import HarnessArgs
-from common.dist import (mean_across_processes, minibatches, process_share, same_start,
-                         sum_across_processes)
+from common.dist import (mean_across_processes, minibatches, my_share, same_start,
+                         sum_across_processes, whole_batch)
 from common.envbatch import EnvBatch
 from common.generation import Policy, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           next_token_losses, pad_rows, response_logprobs, scored_logprobs)
 from common.progress import Progress
-from common.run import Run, check_finite, start_run, timer, timings
+from common.run import Run, check_finite, rollout_stats, start_run, timer, timings
 from envs.text import encode_prompt, expert_response, is_well_formed, parse_action
 
 
@@ -340,7 +340,6 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict],
     prompts = [prompt for _, _, n, prompt, _ in expansions for _ in range(n)]
     with timer("generation"):
         responses, logprobs = policy.generate(prompts, args.rollout_temperature)
-        logprobs = logprobs or [None] * len(prompts)
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     samples, first = [], 0
     for index, node, n, prompt, record in expansions:
@@ -450,11 +449,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
 # ---- 4. Arguments -------------------------------------------------------------------------------
 @dataclass
 class Args(HarnessArgs):
-    """3SPO (and the GRPO baseline) for multi-turn LLM agents.
-
-    The defaults shown are those of the --model, --env and --advantage given (the dataclass
-    holds tiny's, PRESETS what the others change); the device, evaluation splits and env workers
-    follow the machine and the env. The first flags, where and how a run goes, are shared."""
+    """3SPO (and the GRPO baseline) for multi-turn LLM agents."""
 
     exp_name: str = "sspo"  # runs/<exp-name>__<env>__<advantage>__<seed>__<time>
     seed: int = 1  # seeds python, numpy, torch and the evaluations' own generator
@@ -507,7 +502,6 @@ class Args(HarnessArgs):
     micro_batch_size: int = 16  # step samples per forward pass
     max_grad_norm: float = 1.0  # gradient-norm clip of every optimizer step
     rollout_temperature: float = 1.0  # sampling temperature of rollouts and the search, and of PPO
-    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     max_new_tokens: int = 12  # response length limit
     history_length: int = 1  # past (observation, action) pairs shown in the prompt
     reasoning: bool = False  # ask for <think> reasoning before the action
@@ -532,6 +526,7 @@ class Args(HarnessArgs):
     eval_every: int = 8  # iterations between evaluations, besides iteration 0 and the last
     eval_num_tasks: int = 200  # first tasks of each split to evaluate; 0 = the whole split
     eval_temperature: float = 0.4  # sampling temperature of evaluation (the papers'; 0: greedy)
+    eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     save_every: int = 2  # iterations between checkpoints (the last iteration is always saved)
 
 
@@ -566,26 +561,27 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
     (behavior-cloning data): each step records the expert's action as "label", but with
     probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
-    Each trajectory: {"task" (its text), "task_type", "group", "won", "rewards": [r_t], "steps":
-    [{"prompt" (token ids), "response_ids", "logprobs" (of the response tokens as sampled, or
+    Each trajectory: {"task" (its text), "task_type", "group" (its group_ids entry), "won",
+    "rewards": [r_t], "steps": [{"prompt" (token ids), "response_ids", "logprobs" (of the
+    response tokens as sampled: always at a temperature > 0 without top-p, as in training; else
     None), "state" (the observation: GiGPO's and ProxMO's anchor text), "admissible" (the
     actions the prompt listed), "action" (executed), "next_state" (the observation it got),
     "valid" (admissible, from the env), "parsed" (the reply had an <action> tag), "well_formed"
-    (see is_well_formed), "label"}]}.
+    (also <think> with --reasoning, no Chinese: is_well_formed), "label"}]}.
     Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
     expert = expert_rng is not None
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
                             workers=args.env_workers) for t in tasks]
-    batch = EnvBatch(games, desc, args.max_episode_steps)
-    batch.reset()
+    env_batch = EnvBatch(games, desc, args.max_episode_steps)
+    env_batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
               "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
-    while batch.active():
-        active = batch.active()
+    while env_batch.active():
+        active = env_batch.active()
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
             prompts = [encode_prompt(args, tokenizer, games[i].task_description,
-                                     trajs[i]["history"], batch.observations[i], admissible[k],
+                                     trajs[i]["history"], env_batch.observations[i], admissible[k],
                                      len(trajs[i]["steps"]) + 1)
                        for k, i in enumerate(active)]
         with timer("generation"):
@@ -606,9 +602,9 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                 labels = [None] * len(active)
                 has_action = [p is not None for p in parsed]
                 well_formed = [is_well_formed(t, args.reasoning) for t in texts]
-        states = {i: batch.observations[i] for i in active}
+        states = {i: env_batch.observations[i] for i in active}
         with timer("env"):
-            results = batch.step(dict(zip(active, commands)))
+            results = env_batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
             obs, reward, done, info = results[i]
             tr = trajs[i]
@@ -635,7 +631,7 @@ def bc_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id:
     0, for a pretrained model: only the response logits are computed)."""
     if prompt_weight == 0:
         logp, mask, _ = response_logprobs(model, prompts, responses, pad_id)
-        response_loss = -(logp * mask.to(logp.device)).sum() / mask.sum()
+        response_loss = -(logp * mask).sum() / mask.sum()
         return response_loss, response_loss
     response_loss, prompt_loss = next_token_losses(model, prompts, responses, pad_id)
     return response_loss + prompt_weight * prompt_loss, response_loss
@@ -716,13 +712,12 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
     actions over all steps, and its mean over trajectories (SPA's definition). With several
     processes each plays its share of the tasks; the stats are of all."""
-    dist = PartialState()
-    share = process_share(len(tasks), dist.process_index, dist.num_processes)
+    my_tasks, indices = my_share(tasks)  # data parallel: this process's share; one: all
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
-        trajs = rollout(args, policy.tokenizer, policy, [tasks[i] for i in share], list(share),
+        trajs = rollout(args, policy.tokenizer, policy, my_tasks, indices,
                         args.eval_temperature, args.eval_top_p, desc=f"eval {split} (steps)")
-    trajs = gather_object([summarize(t) for t in trajs])
+    trajs, _ = whole_batch([summarize(t) for t in trajs])  # every process's; one: these
     by_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajs:
         by_type[t["task_type"]].append(t["won"])
@@ -749,13 +744,13 @@ class StepSample(NamedTuple):
     prompt: list[int]  # token ids
     response: list[int]  # token ids
     advantage: float
-    old_logprobs: list[float] | None  # as sampled (every training rollout records them) or None
+    old_logprobs: list[float]  # of the response tokens, recorded when they were sampled
 
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSample],
                   generator: torch.Generator, iteration: int) -> dict:
-    """PPO over the step samples: old log-probs (recorded when sampled, else scored here) and
-    reference log-probs first, then `ppo_epochs` passes of shuffled mini-batches. Data parallel:
+    """PPO over the step samples: reference log-probs first (the old ones were recorded when
+    the responses were sampled), then `ppo_epochs` passes of shuffled mini-batches. Data parallel:
     `samples` is this process's share of the batch, in process order; the mini-batches are drawn
     as one process would draw them, and the update is the sum of every process's gradients."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
@@ -764,12 +759,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     prompts = [s.prompt for s in samples]
     responses = [s.response for s in samples]
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    model.eval()  # no dropout when scoring the rollout policy
-    with timer("old_logprobs"):
-        if all(s.old_logprobs is not None for s in samples):
-            old_logp = [torch.tensor(s.old_logprobs) for s in samples]
-        else:
-            old_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
+    model.eval()  # no dropout in the reference pass
+    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # recorded when sampled
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
     with timer("ref_logprobs"):
         ref_logp = old_logp
@@ -780,15 +771,17 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
     response_lengths = [len(r) for r in responses]
+    # ppo_epochs passes, each a fresh shuffle cut into mini-batches of --minibatch-size samples;
+    # mini.mine: the members among `samples`, mini.tokens: the response tokens of all of it.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
         # This process's members (mini.mine) in micro-batches, any order: the gradient is a sum.
         for idx in length_sorted_chunks(mini.mine, lengths, mb):
+            # Each (micro-batch, R): R its longest response; mask 1 on response tokens.
             logp, mask, entropy = response_logprobs(
                 model, [prompts[i] for i in idx], [responses[i] for i in idx], pad,
                 with_entropy=args.entropy_coef > 0, temperature=temperature)
-            mask = mask.to(device)
             old = pad_rows([old_logp[i] for i in idx], logp.shape[1]).to(device)
             ref = pad_rows([ref_logp[i] for i in idx], logp.shape[1]).to(device)
             adv = torch.tensor([samples[i].advantage for i in idx], dtype=torch.float32,
@@ -817,38 +810,32 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     return {f"train/{k}": v for k, v in means.items()}
 
 
-def grpo_iteration(args: Args, tokenizer, policy: Policy, model, optimizer, tasks: list,
-                   first_group: int, iteration: int, generator: torch.Generator) -> dict:
-    """One iteration of the GRPO baseline on this process's `tasks` (groups first_group, ...):
-    (1) each task x N, (2) lock-step rollouts, (3) 0/1 outcomes, (4) GRPO advantages over the
-    whole batch (each process keeps its trajectories'), (5, 6) old / reference log-probs and the
-    clipped policy-gradient update. Returns the iteration's logged stats."""
+def grpo_iteration(args: Args, tokenizer, policy: Policy, model, optimizer, batch_tasks: list,
+                   iteration: int, generator: torch.Generator) -> dict:
+    """One iteration of the GRPO baseline on the batch's tasks: (1) each task x N, (2) lock-step
+    rollouts, (3) 0/1 outcomes, (4) GRPO advantages over the whole batch (each process keeps its
+    trajectories'), (5, 6) reference log-probs and the clipped policy-gradient update. Returns
+    the iteration's logged stats."""
     t0 = time.time()
-    copies = [task for task in tasks for _ in range(args.group_size)]
-    groups = [first_group + k for k in range(len(tasks)) for _ in range(args.group_size)]
-    trajs = rollout(args, tokenizer, policy, copies, groups, args.rollout_temperature)
+    # Each task N times, a group (its id: the task's index in the batch); data
+    # parallel: this process's groups only.
+    tasks, groups = my_share(batch_tasks, args.group_size)
+    trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
     rollout_seconds = time.time() - t0
     with timer("advantages"):
-        batch = gather_object([summarize(t) for t in trajs])
-        first = first_group * args.group_size
+        # batch: every process's trajectories (one process: these); the slice mine: these
+        batch, mine = whole_batch([summarize(t) for t in trajs])
         batch_advantages = compute_advantages(args, batch)
-        advantages = batch_advantages[first:first + len(trajs)]
+        advantages = batch_advantages[mine]
     samples = [StepSample(s["prompt"], s["response_ids"], float(a), s["logprobs"])
                for tr, adv in zip(trajs, advantages) for s, a in zip(tr["steps"], adv)]
     policy.sleep()  # --vllm-sleep: the engine's memory to the update
-    with timer("update"):  # less the scoring passes, timed inside it
+    with timer("update"):  # less the reference pass, timed as ref_logprobs
         stats = policy_update(args, model, tokenizer, optimizer, samples, generator, iteration)
-    n_tokens = sum(gather_object([sum(len(s.response) for s in samples)]))  # the batch's
-    abs_advantages = [abs(float(a)) for adv in batch_advantages for a in adv]
-    steps = [s for tr in batch for s in tr["steps"]]
-    stats.update({"rollout/success": float(np.mean([t["won"] for t in batch])),
-                  "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
-                  "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
-                  "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
-                  "rollout/step_samples": len(steps),
-                  "rollout/tokens_per_second": n_tokens / max(rollout_seconds, 1e-9),
-                  "time/rollout_seconds": rollout_seconds,
-                  "train/advantage_abs_mean": float(np.mean(abs_advantages))})
+    batch_tokens, _ = whole_batch([len(s.response) for s in samples])  # every process's
+    stats.update(rollout_stats(batch, batch_advantages))
+    stats.update({"rollout/tokens_per_second": sum(batch_tokens) / max(rollout_seconds, 1e-9),
+                  "time/rollout_seconds": rollout_seconds})
     return stats
 
 
@@ -890,7 +877,7 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
         if sum(gather_object([len(samples)])):
             policy.sleep()  # --vllm-sleep: the engine's memory to the update
             updating = time.perf_counter()
-            with timer("update"):  # less the scoring passes, timed inside it
+            with timer("update"):  # less the reference pass, timed as ref_logprobs
                 stats = policy_update(args, model, tokenizer, optimizer, samples, generator,
                                       iteration)
             update_seconds += time.perf_counter() - updating
@@ -955,7 +942,7 @@ def parse_args(argv: list[str]) -> Args:
 
 
 def main(args: Args) -> dict:
-    dist, run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args))
+    run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args))
     if args.group_size == 1 and args.advantage == "grpo":
         print("warning: --group-size 1: every advantage is 0 (a group of one has no baseline)",
               file=sys.stderr)
@@ -982,43 +969,34 @@ def main(args: Args) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     task_rng = random.Random(args.seed)
     table = StateTable()
-    start_iteration, history = run.restore(optimizer=optimizer, generator=generator,
-                                           task_rng=task_rng)
+    start_iteration = run.restore(optimizer=optimizer, generator=generator, task_rng=task_rng)
     if run.state is not None:
         table = StateTable({key: Counts(*c) for key, c in run.state["table"]["counts"].items()},
                            run.state["table"]["t"])
 
     progress = Progress(args.iterations, "rl", initial=start_iteration, interval=0)
-
-    def run_eval(iteration: int) -> None:
-        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
-        for split, tasks in eval_tasks.items():
-            t0 = time.time()
-            stats = run.evaluation(split, iteration, lambda: evaluate(args, policy, split, tasks))
-            run.log(stats, iteration)
-            history.setdefault(iteration, {}).update(stats)
-            progress.write_evaluation(stats, split, iteration, time.time() - t0)
+    evaluate_splits = partial(evaluate, args, policy)  # (split, tasks) -> its stats
 
     if start_iteration == 0:
-        run_eval(0)
+        policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
+        run.evaluate(0, eval_tasks, evaluate_splits)
     for iteration in range(start_iteration + 1, args.iterations + 1):
         t0 = time.time()
         timings()  # the clocks restart: evaluations and set-up are not the iteration's
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         policy.sync(run.path)
-        my_groups = process_share(len(batch_tasks), dist.process_index, dist.num_processes)
-        my_tasks = [batch_tasks[g] for g in my_groups]
         if args.advantage == "sspo":
             # (1) a ranked search over each task, round by round, (2) a policy update after every
             # round (Eq. 4), (3) the round's finished paths into the counters (Eq. 1).
+            my_tasks, _ = my_share(batch_tasks)  # data parallel: this process's; one: all
             stats = search_and_learn(args, tokenizer, policy, model, optimizer, my_tasks, table,
                                      iteration, run.path, generator)
         else:  # the GRPO baseline: B tasks x N copies, one update
-            stats = grpo_iteration(args, tokenizer, policy, model, optimizer, my_tasks,
-                                   my_groups.start, iteration, generator)
+            stats = grpo_iteration(args, tokenizer, policy, model, optimizer, batch_tasks,
+                                   iteration, generator)
         stats["time/iteration_seconds"] = time.time() - t0
         # Where the iteration's time went: prompts, generation, env, advantages, and the policy
-        # update's old_logprobs, ref_logprobs and update; the main process's times.
+        # update's ref_logprobs and update; the main process's times.
         stats.update(timings())  # each timer("x") above as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
@@ -1028,14 +1006,15 @@ def main(args: Args) -> dict:
                         update_s=round(stats.get("time/update_seconds", 0)),
                         iter_s=round(stats["time/iteration_seconds"]))
         if iteration % args.eval_every == 0 or iteration == args.iterations:
-            run_eval(iteration)
+            policy.sync(run.path)
+            run.evaluate(iteration, eval_tasks, evaluate_splits)
         if iteration % args.save_every == 0 or iteration == args.iterations:
             counts = {key: (c.n_total, c.n_success) for key, c in table.counts.items()}
-            run.save(model, start_path, iteration, history, optimizer=optimizer,
+            run.save(model, start_path, iteration, optimizer=optimizer,
                      generator=generator, task_rng=task_rng,
                      table={"counts": counts, "t": table.t})
     progress.close()
-    summary = run.finish(history)
+    summary = run.finish()
     policy.close()
     return summary
 

@@ -409,7 +409,7 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
             rewards, samples = step_rewards(prm, trajs)
             summary = [{**istar.summarize(t), "step_rewards": r} for t, r in zip(trajs, rewards)]
             istar.prm_update(args, prm, batch.tokenizer, optimizer, summary, samples,
-                             range(len(trajs)), step)
+                             slice(0, len(trajs)), step)
     rewards, _ = step_rewards(prm, batch.trajs)
     data = (f"{batch.budget.dpo_steps} DPO steps, each on {batch.budget.dpo_tasks} x "
             f"{args.group_size} fresh rollouts of "

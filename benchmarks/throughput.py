@@ -55,8 +55,7 @@ QWEN25_SHAPES = {"Qwen2.5-0.5B": (896, 4864, 24, 14, 2, True),
                  "Qwen2.5-3B": (2048, 11008, 36, 16, 2, True),
                  "Qwen2.5-7B": (3584, 18944, 28, 28, 4, False)}
 BACKENDS = ("hf", "hf-cb")
-ITERATION_PARTS = ("prompts", "generation", "env", "advantages", "old_logprobs", "ref_logprobs",
-                   "update")
+ITERATION_PARTS = ("prompts", "generation", "env", "advantages", "ref_logprobs", "update")
 
 
 def load_model(name: str, dtype: torch.dtype, device: str, layers: int | None,

@@ -25,7 +25,7 @@ OVERRIDABLE = ("iterations", "device", "process_timeout_minutes")  # what --resu
 @dataclass
 class HarnessArgs:
     """Where and how a run goes: settings only the harness reads, the same in every script.
-    A script's Args extends this class, so --help lists these first (as CleanRL's do)."""
+    A script's Args extends this class; --help shows its fields in groups (print_help)."""
 
     device: str = "cpu"  # torch device (cuda when available, else cpu)
     deterministic: bool = True  # deterministic torch kernels (free on CPU; CUDA: gpu_check.py)
@@ -70,6 +70,55 @@ def choices(Args, name: str) -> tuple:
     return typing.get_args(typing.get_type_hints(Args)[name])
 
 
+RUN_FIELDS = ("exp_name", "seed", "env", "model", "device", "run_dir", "resume",
+              "start_evaluations", "deterministic", "track", "wandb_project")
+HELP_SECTIONS = (("method", "advantage"), ("training", "iterations"), ("LoRA", "lora_r"),
+                 ("behavior cloning", "bc_epochs"), ("evaluation and checkpoints", "eval_splits"))
+
+
+def print_help(Args, default) -> None:
+    """--help in groups: the run, then each HELP_SECTIONS entry (from its first field to the next
+    entry's, in the order of Args), then the backends, memory and data parallel; the defaults
+    shown are `default`'s. tyro draws a group per nested dataclass, so the groups are dataclasses
+    made here for the help alone, each field keeping its type and its comment as help."""
+    import tyro
+    from tyro._docstrings import get_field_docstring
+
+    hints = typing.get_type_hints(Args)
+    names = [f.name for f in fields(Args)]
+    starts = [names.index(first) for _, first in HELP_SECTIONS] + [len(names)]
+    groups = [("run", list(RUN_FIELDS))]
+    groups += [(title, names[a:b]) for (title, _), a, b in zip(HELP_SECTIONS, starts, starts[1:])]
+    placed = {name for _, group in groups for name in group}
+    groups.append(("backends, memory and data parallel",
+                   ["backend"] + [n for n in names if n not in placed and n != "backend"]))
+    views = []
+    for title, group in groups:
+        members = [(name, typing.Annotated[hints[name], tyro.conf.arg(
+            help=get_field_docstring(Args, name, ()))], getattr(default, name)) for name in group]
+        view = dataclass_view(title, members)
+        views.append((title.replace(" ", "_").replace(",", ""), typing.Annotated[
+            view, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=title)], view()))
+    cli = dataclass_view("Args", views)
+    title = (Args.__doc__ or "").strip().split("\n\n")[0]
+    cli.__doc__ = (f"{title}\n\nThe defaults shown are those of --model {default.model} --env "
+                   f"{default.env} --advantage {default.advantage}: add any of these flags to "
+                   "--help for another's. The device, evaluation splits and env workers follow "
+                   "the machine and the env; config.json in a run's directory holds every value.")
+    tyro.cli(cli, args=["--help"], prog=os.path.basename(sys.argv[0]))
+
+
+def dataclass_view(name: str, members: list[tuple]):
+    """A dataclass of (name, type, default) members, for print_help."""
+    from dataclasses import field, make_dataclass
+
+    view = make_dataclass(name.replace(" ", "_").replace(",", ""),
+                          [(n, hint, field(default_factory=lambda d=d: d))
+                           for n, hint, d in members])
+    view.__doc__ = ""
+    return view
+
+
 def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None = None):
     """Command line -> Args. Defaults are the presets of the --model, --env and --advantage given;
     with --resume, the run's saved configuration, which flags on the command line may not
@@ -82,7 +131,12 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
     peek.add_argument("--env", default="household")
     peek.add_argument("--advantage", default=None)
     peek.add_argument("--resume", default=None)
+    peek.add_argument("-h", "--help", action="store_true")
     known, _ = peek.parse_known_args(argv)
+    if known.help:
+        env = known.env if known.env in envs.ENV_NAMES else "household"
+        advantage = known.advantage if known.advantage in choices(Args, "advantage") else None
+        print_help(Args, preset_args(Args, presets, known.model, env, advantage))
     if known.resume is None:
         env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
         advantage = known.advantage if known.advantage in choices(Args, "advantage") else None

@@ -55,6 +55,24 @@ def process_share(n: int, index: int, count: int) -> range:
     return range(n * index // count, n * (index + 1) // count)
 
 
+def my_share(batch: list, copies: int = 1) -> tuple[list, list[int]]:
+    """This process's share of `batch` (an iteration's tasks, or an evaluation's): its items,
+    each `copies` times (a task's group), and their indices in `batch` (the group ids). One
+    process: every item, indices 0..len(batch) - 1."""
+    dist = PartialState()
+    share = process_share(len(batch), dist.process_index, dist.num_processes)
+    return ([batch[i] for i in share for _ in range(copies)],
+            [i for i in share for _ in range(copies)])
+
+
+def whole_batch(mine: list) -> tuple[list, slice]:
+    """Every process's items (`mine` on each), in process order, and where this process's lie
+    in them. One process: (mine, slice(0, len(mine)))."""
+    by_process = gather_object([mine])
+    first = sum(len(items) for items in by_process[:PartialState().process_index])
+    return [x for items in by_process for x in items], slice(first, first + len(mine))
+
+
 def same_start(params: list[Tensor], seed: int) -> None:
     """Every process starts from process 0's trainable weights, whatever each device's init did;
     each process then samples its own draws (process 0 continues the one-process stream)."""

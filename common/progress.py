@@ -13,7 +13,7 @@ class Progress:
     "desc 40/1725 [12s] loss=0.812", one per `interval` seconds and one for the last update.
 
     update(n, **stats) advances by n and shows `stats` with that update (not one update late);
-    write(line) prints a line without breaking the bar; write_evaluation, an evaluation's."""
+    write(line) prints a line without breaking the bar."""
 
     def __init__(self, total: int, desc: str, initial: int = 0, interval: float = 30.0):
         self.total, self.desc, self.count, self.interval = total, desc, initial, interval
@@ -43,15 +43,18 @@ class Progress:
         else:
             print(line, flush=True)
 
-    def write_evaluation(self, stats: dict, split: str, iteration: int, seconds: float) -> None:
-        """[eval test @ iter 8] success 0.620 grounding 0.710 (look 0.46 pick 0.66 ...) [152s]"""
-        per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}"
-                            for k, v in stats.items() if "/success_" in k)
-        self.write(f"[eval {split} @ iter {iteration}] "
-                   f"success {stats[f'eval_{split}/success']:.3f} "
-                   f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) "
-                   f"[{seconds:.0f}s]")
-
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def write_evaluation(stats: dict, split: str, iteration: int, seconds: float) -> None:
+    """[eval test @ iter 8] success 0.620 grounding 0.710 (look 0.46 pick 0.66 ...) [152s],
+    printed without breaking a bar."""
+    per_type = " ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}"
+                        for k, v in stats.items() if "/success_" in k)
+    tqdm.write(f"[eval {split} @ iter {iteration}] "
+               f"success {stats[f'eval_{split}/success']:.3f} "
+               f"grounding {stats[f'eval_{split}/grounding']:.3f} ({per_type}) "
+               f"[{seconds:.0f}s]", file=sys.stdout)
+    sys.stdout.flush()

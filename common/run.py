@@ -3,14 +3,15 @@ directory"): config.json, the TensorBoard logs, base_model/, checkpoint/ and sum
 main process alone writes, but every process holds a Run and calls each method: Run(), keep_base
 and save wait for the others (a call on one process only would hang).
 
-    dist, run, train_tasks, eval_tasks = start_run(args, "proxmo.py", validate_args(args))
+    run, train_tasks, eval_tasks = start_run(args, "proxmo.py", validate_args(args))
     model, tokenizer = run.load_model()    # --model, or the start a resumed run kept
     run.open()                             # only now a directory: a bad flag leaves nothing
     start_path = run.keep_base(model, tokenizer)  # the start's directory or hub id
-    start_iteration, history = run.restore(optimizer=optimizer, generator=generator)  # --resume
+    start_iteration = run.restore(optimizer=optimizer, generator=generator)  # --resume
+    run.evaluate(iteration, eval_tasks, evaluate)  # evaluate(split, tasks): logged, in history
     run.log(stats, iteration)
-    run.save(model, start_path, iteration, history, optimizer=optimizer, generator=generator)
-    summary = run.finish(history)          # summary.json, the lock released, the processes ended
+    run.save(model, start_path, iteration, optimizer=optimizer, generator=generator)
+    summary = run.finish()                 # summary.json, the lock released, the processes ended
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from common import RunStopped, UsageError
 from common.dist import launch_errors, start_processes
 from common.model import (TINY_NAMES, check_lora_targets, load_model_and_tokenizer,
                           resolve_model_name)
+from common.progress import write_evaluation
 from envs.text import PROMPT_WORDS
 
 
@@ -73,6 +75,20 @@ def set_random_streams(streams: dict) -> None:
     torch.set_rng_state(streams["torch"])
     if torch.cuda.is_available() and streams["cuda"]:
         torch.cuda.set_rng_state_all(streams["cuda"])
+
+
+def rollout_stats(batch: list[dict], advantages: list) -> dict:
+    """What the log shows of an iteration's batch (every process's summarized trajectories and
+    their per-step advantages): success, grounding (admissible steps), well-formed replies,
+    episode length, step samples and the mean |advantage|."""
+    steps = [s for tr in batch for s in tr["steps"]]
+    abs_advantages = [abs(float(a)) for adv in advantages for a in adv]
+    return {"rollout/success": float(np.mean([t["won"] for t in batch])),
+            "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
+            "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
+            "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),
+            "rollout/step_samples": len(steps),
+            "train/advantage_abs_mean": float(np.mean(abs_advantages))}
 
 
 def check_finite(where: str, **values: float) -> None:
@@ -262,11 +278,11 @@ def interrupted() -> str:
 
 
 def start_run(args, script: str, errors: list[str], method: str | None = None,
-              also: str = "", one_process: list[str] = ()) -> tuple[PartialState, Run, list, dict]:
+              also: str = "", one_process: list[str] = ()) -> tuple[Run, list, dict]:
     """Every script's start, before its model: the processes, every flag error at once as one
     UsageError (the script's `errors`, launch_errors with `also`, and with several processes
-    `one_process`), the seeds, the Run and the tasks. Returns (dist, run, train_tasks,
-    {split: its first --eval-num-tasks tasks})."""
+    `one_process`), the seeds, the Run and the tasks. Returns (run, train_tasks,
+    {split: its first --eval-num-tasks tasks}); run.dist is this process's PartialState."""
     if any(e.startswith("--process-timeout-minutes") for e in errors):
         raise UsageError("\n".join(errors))  # no process group can start with that timeout
     dist = start_processes(args)  # one process, or one of those `accelerate launch` started
@@ -288,7 +304,7 @@ def start_run(args, script: str, errors: list[str], method: str | None = None,
                   for split in args.eval_splits}
     print(describe(args, script, run.path))
     quiet_libraries()
-    return dist, run, train_tasks, eval_tasks
+    return run, train_tasks, eval_tasks
 
 
 def describe(args, script: str, path: str) -> str:
@@ -343,6 +359,7 @@ class Run:
         self.start_weights = None  # weights_digest of the start, for --start-evaluations
         self.base_weights = None  # weights_digest of the base the adapter trains on (keep_base)
         self.config = None  # config.json's content while it waits to be written
+        self.history: dict = {}  # iteration -> its evaluations' stats (summary.json's)
         if args.resume:
             self._take_lock()  # before anything is read: a run still going is not resumed
             try:
@@ -499,6 +516,16 @@ class Run:
             self.start_weights = self.base_weights
         return os.path.abspath(base) if os.path.isdir(base) else resolve_model_name(args.model)[0]
 
+    def evaluate(self, iteration: int, eval_tasks: dict, evaluate) -> None:
+        """evaluate(split, tasks)'s stats on each split of eval_tasks ({split: tasks}): logged,
+        kept in the history (summary.json) and printed as a line."""
+        for split, tasks in eval_tasks.items():
+            t0 = time.time()
+            stats = self.evaluation(split, iteration, lambda: evaluate(split, tasks))
+            self.log(stats, iteration)
+            self.history.setdefault(iteration, {}).update(stats)
+            write_evaluation(stats, split, iteration, time.time() - t0)
+
     def evaluation(self, split: str, iteration: int, evaluate) -> dict:
         """evaluate()'s stats. At iteration 0 with --start-evaluations: the stored evaluation of
         the same script, split, start weights and EVALUATION_SETTINGS when there is one (no game
@@ -598,13 +625,13 @@ class Run:
                 if not isinstance(v, (list, tuple)):  # per-task lists stay in the history
                     self.writer.add_scalar(k, v, step)
 
-    def restore(self, **trainer_state) -> tuple[int, dict]:
-        """(iteration, history) to go on from: (0, {}) for a new run. On --resume, the
-        checkpoint's, after every object given (an optimizer, module, generator or random.Random,
+    def restore(self, **trainer_state) -> int:
+        """The iteration to go on from: 0 for a new run. On --resume, the checkpoint's (and its
+        history), after every object given (an optimizer, module, generator or random.Random,
         by the name save had it; None is skipped) and this process's random streams got their
         saved states back. Plain data that save kept is in `state`."""
         if self.state is None:
-            return 0, {}
+            return 0
         for name, thing in trainer_state.items():
             if thing is not None:
                 try:
@@ -615,10 +642,11 @@ class Run:
                                      f"{str(e).splitlines()[0] if str(e) else name})") from None
         set_random_streams(self.state["streams"][self.dist.process_index])
         print(f"resumed from {self.checkpoint} at iteration {self.state['iteration']}")
-        return self.state["iteration"], self.state["history"]
+        self.history = self.state["history"]
+        return self.state["iteration"]
 
-    def save(self, model, start_path: str, iteration: int, history: dict,
-             adapters: dict | None = None, **trainer_state) -> None:
+    def save(self, model, start_path: str, iteration: int, adapters: dict | None = None,
+             **trainer_state) -> None:
         """A checkpoint: the LoRA adapter (its config naming the base model), `adapters` (name ->
         model) in subfolders, a model card, and trainer_state.pt for --resume (the state of each
         of `trainer_state`, name -> optimizer, module, generator or plain data; the iteration,
@@ -628,8 +656,8 @@ class Run:
         failed = None
         if self.dist.is_main_process:
             try:
-                self._write_checkpoint(model, start_path, iteration, history, adapters,
-                                       trainer_state, streams)
+                self._write_checkpoint(model, start_path, iteration, adapters, trainer_state,
+                                       streams)
             # A full disk, a lost mount: torch.save says so as a RuntimeError, safetensors as its
             # own error. The last complete checkpoint is intact.
             except (OSError, RuntimeError, SafetensorError) as e:
@@ -642,8 +670,8 @@ class Run:
         if failed:
             raise RunStopped(failed)
 
-    def _write_checkpoint(self, model, start_path: str, iteration: int, history: dict,
-                          adapters: dict | None, trainer_state: dict, streams: list) -> None:
+    def _write_checkpoint(self, model, start_path: str, iteration: int, adapters: dict | None,
+                          trainer_state: dict, streams: list) -> None:
         """checkpoint-<iteration>/ written whole and flushed to disk, then made the run's by one
         rename of the checkpoint link, then the older checkpoint-*/ removed: a run killed at any
         moment, a save included, keeps its last complete checkpoint."""
@@ -676,8 +704,8 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
 """)
             state = {key: _state_of(thing) for key, thing in trainer_state.items()}
             seconds = self.seconds + time.time() - self.began
-            torch.save({**state, "iteration": iteration, "history": history, "streams": streams,
-                        "seconds": seconds, "base_weights": self.base_weights},
+            torch.save({**state, "iteration": iteration, "history": self.history,
+                        "streams": streams, "seconds": seconds, "base_weights": self.base_weights},
                        os.path.join(path, "trainer_state.pt"))
             write_json(os.path.join(path, CHECKSUMS), checksums(path))  # read back on --resume
             _flush_tree(path)
@@ -711,7 +739,7 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
         if whole:
             self._link(max(whole)[1])
 
-    def finish(self, history: dict) -> dict:
+    def finish(self) -> dict:
         """Closes the loggers, writes summary.json, prints the headline (start, final and best
         success on the first evaluation split) and ends the processes' group."""
         args = self.args
@@ -723,15 +751,15 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
             wandb.finish()
         headline = args.eval_splits[0]
         key = f"eval_{headline}/success"
-        summary = {"start_success": history.get(0, {}).get(key),
-                   "final_success": history[max(history)][key],
-                   "best_success": max(h[key] for h in history.values() if key in h),
+        summary = {"start_success": self.history.get(0, {}).get(key),
+                   "final_success": self.history[max(self.history)][key],
+                   "best_success": max(h[key] for h in self.history.values() if key in h),
                    "run_path": self.path,
                    "minutes": (self.seconds + time.time() - self.began) / 60}
         if self.dist.is_main_process:
             if self.config is not None:  # a resume that had nothing left to save
                 write_json(self.file("config.json"), self.config)
-            evaluations = {str(k): v for k, v in sorted(history.items())}
+            evaluations = {str(k): v for k, v in sorted(self.history.items())}
             write_json(self.file("summary.json"), {**summary, "evaluations": evaluations})
         self.release()
         start = summary["start_success"]

@@ -22,8 +22,8 @@ import torch
 from accelerate import PartialState
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.dist import mean_across_processes  # noqa: E402
-from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
+from common.dist import mean_across_processes, my_share, whole_batch  # noqa: E402
+from common.model import add_lora, load_model_and_tokenizer, scored_logprobs  # noqa: E402
 import istar  # noqa: E402
 import proxmo  # noqa: E402
 import spa  # noqa: E402
@@ -35,7 +35,8 @@ ACTIONS = ["look", "go to cabinet 1", "open drawer 2", "take apple 1 from counte
 
 def fixed_batch(tokenizer) -> list[tuple]:
     """14 step samples (prompt, response, advantage, None): 7 actions x 2 observations, advantages
-    of mixed signs and sizes; None makes the update score the old log-probs itself."""
+    of mixed signs and sizes; the old log-probs (None) are scored before the split
+    (with_old_logprobs, with_values)."""
     samples = []
     for k in range(14):
         action = ACTIONS[k % len(ACTIONS)]
@@ -56,6 +57,14 @@ def with_values(model, value_head, tokenizer, samples: list[tuple]) -> list[tupl
                                                 [s[1] for s in samples], tokenizer.pad_token_id)
     return [(p, r, a, v.item() + a / 2, lp[:len(r)], v.item())
             for (p, r, a, _), lp, v in zip(samples, logp, values)]
+
+
+def with_old_logprobs(model, tokenizer, samples: list[tuple]) -> list[tuple]:
+    """proxmo.py's samples (prompt, response, advantage, old log-probs): those the rollout would
+    have recorded, scored before the split."""
+    logp = scored_logprobs(model, [s[0] for s in samples], [s[1] for s in samples],
+                           tokenizer.pad_token_id, 4, 1.0)
+    return [(p, r, a, lp.tolist()) for (p, r, a, _), lp in zip(samples, logp)]
 
 
 # istar: the 14 fixed samples as 7 trajectories (steps each), their groups and outcomes.
@@ -88,6 +97,7 @@ def prm_step(model, tokenizer, samples: list[tuple], share_of_process_0: int) ->
     first_step = sum(TRAJ_STEPS[:mine.start])
     share = [step._replace(old_logprobs=lp) for step, lp in list(zip(steps, old))[
         first_step:first_step + sum(TRAJ_STEPS[i] for i in mine)]]
+    mine = slice(mine.start, mine.stop)
     args = istar.Args(micro_batch_size=3)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     return istar.prm_update(args, model, tokenizer, optimizer, batch, share, mine, 1)
@@ -105,6 +115,8 @@ def main(out: str, share_of_process_0: int, method: str) -> None:
         torch.nn.init.normal_(value_head[-1].weight, 0, 0.1)
         samples = with_values(model, value_head, tokenizer, samples)
         params += list(value_head.parameters())
+    elif method == "proxmo":
+        samples = with_old_logprobs(model, tokenizer, samples)
     if dist.num_processes not in (1, 2):
         raise SystemExit("run with one or two processes")
     if method == "istar":
@@ -130,6 +142,14 @@ def main(out: str, share_of_process_0: int, method: str) -> None:
     means = mean_across_processes(uneven)
     expected = {"loss": 2.0, "clip_fraction": 0.5} if dist.num_processes == 2 else {"loss": 3.0}
     assert means == expected, means
+    # Each process plays its share of the groups; the batch is every share, in process order.
+    tasks, groups = my_share(["a", "b", "c"], 2)
+    batch, mine = whole_batch(groups)
+    assert batch == [0, 0, 1, 1, 2, 2] and batch[mine] == groups, (batch, mine, groups)
+    expected_tasks = ["b", "b", "c", "c"] if dist.process_index else ["a", "a"]
+    if dist.num_processes == 1:
+        expected_tasks = ["a", "a", "b", "b", "c", "c"]
+    assert tasks == expected_tasks, tasks
     if dist.is_main_process:
         weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         if method == "spa":

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from proxmo import process_share
+from common.dist import my_share, process_share, whole_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Two CPU processes: accelerate 1.15's `--cpu` starts several only through MPI with a hostfile;
@@ -36,6 +36,12 @@ def run(command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
                               timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+def test_one_process_takes_the_whole_batch():
+    tasks, groups = my_share(["a", "b"], 3)
+    assert tasks == ["a", "a", "a", "b", "b", "b"] and groups == [0, 0, 0, 1, 1, 1]
+    assert whole_batch([7, 8]) == ([7, 8], slice(0, 2))
 
 
 def test_process_share_splits_contiguously_and_evenly():

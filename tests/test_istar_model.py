@@ -75,7 +75,7 @@ def test_prm_step_follows_the_gradient_of_the_whole_batch_loss():
     before = [p.detach().clone() for p in params]
     stats = prm_update(args, prm, tokenizer, optimizer, batch,
                        [step._replace(old_logprobs=lp) for step, lp in zip(steps, old)],
-                       range(len(trajs)), 1)
+                       slice(0, len(trajs)), 1)
     assert stats["prm/pairs"] == 4
     assert abs(stats["prm/dpo_loss"] - loss.item()) < 1e-6
     for b, p, g in zip(before, params, expected):  # SGD with lr 1: the step is -gradient

@@ -10,7 +10,7 @@ import torch
 
 import envs
 from common import UsageError
-from common.model import add_lora, load_model_and_tokenizer
+from common.model import add_lora, load_model_and_tokenizer, scored_logprobs
 from envs.text import PROMPT_WORDS, build_prompt, chat_ids, encode_prompt
 from proxmo import Args, Policy, StepSample, parse_args, policy_update, validate_args
 
@@ -65,8 +65,8 @@ def test_a_nan_update_stops_before_the_weights_change(tiny):
     try:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        samples = [StepSample([5, 6, 7], [8, 9], float("nan"), None),
-                   StepSample([5, 7], [9], 1.0, None)]
+        samples = [StepSample([5, 6, 7], [8, 9], float("nan"), [-1.0, -2.0]),
+                   StepSample([5, 7], [9], 1.0, [-1.5])]
         with pytest.raises(FloatingPointError, match="iteration 3.*non-finite loss"):
             policy_update(Args(micro_batch_size=4, minibatch_size=4), model, tok, optimizer,
                           samples, torch.Generator().manual_seed(0), iteration=3)
@@ -92,8 +92,9 @@ def _update_from(start: dict, args, model, tok, samples) -> tuple[dict, dict]:
 
 
 def test_recorded_old_logprobs_give_the_update_of_scored_ones(tiny):
-    """The old log-probs the hf backend records while sampling replace the scoring pass: the same
-    batch gives the same loss and the same new LoRA weights either way (to float tolerance)."""
+    """The old log-probs the hf backend records while sampling are those a scoring pass gives:
+    the same batch gives the same loss and the same new LoRA weights either way (to float
+    tolerance), so the update needs no scoring pass of its own."""
     base, tok = tiny
     args = Args(micro_batch_size=3, minibatch_size=4, ppo_epochs=2, rollout_temperature=0.8)
     prompts = [chat_ids(tok, build_prompt(TASK, HISTORY[:k], OBS, ADMISSIBLE, k + 1, 1, False))
@@ -104,8 +105,10 @@ def test_recorded_old_logprobs_give_the_update_of_scored_ones(tiny):
         torch.manual_seed(0)
         responses, logprobs = Policy(args, model, tok).generate(prompts, args.rollout_temperature)
         assert all(len(r) == len(lp) for r, lp in zip(responses, logprobs))
+        scored = [lp.tolist() for lp in scored_logprobs(
+            model, prompts, responses, tok.pad_token_id, 3, args.rollout_temperature)]
         results = []
-        for recorded in (logprobs, [None] * len(prompts)):
+        for recorded in (logprobs, scored):
             samples = [StepSample(p, r, (-1.0) ** k, lp)
                        for k, (p, r, lp) in enumerate(zip(prompts, responses, recorded))]
             results.append(_update_from(start, args, model, tok, samples))
@@ -283,3 +286,29 @@ def test_every_args_takes_the_harness_settings_from_one_place(script):
     assert issubclass(Args, HarnessArgs)
     assert not harness & set(vars(Args)["__annotations__"])
     assert harness < {f.name for f in dataclasses.fields(Args)}
+
+
+@pytest.mark.parametrize("script", ["proxmo", "spa", "istar", "hisr", "sspo"])
+def test_help_shows_every_flag_once_in_its_group(script, capfd):
+    """--help groups the flags: the run first, then the method's, training, LoRA, behavior
+    cloning, evaluation, and the backends and data parallel last; every field of Args appears
+    in exactly one group, with its comment as help."""
+    import dataclasses
+    import importlib
+    import re
+
+    from common.config import HELP_SECTIONS, print_help
+
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as done:
+        print_help(module.Args, module.preset_args())
+    assert done.value.code == 0
+    out = capfd.readouterr().out
+    titles = re.findall(r"╭─ (.*?) options ─", out)
+    assert titles == ["run", *(t for t, _ in HELP_SECTIONS), "backends, memory and data parallel"]
+    flags = re.findall(r"│ (--[a-z0-9-]+)", out)
+    names = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(module.Args)]
+    assert sorted(flags) == sorted(names)
+    eval_group = out.split("╭─ evaluation and checkpoints options")[1].split("╰")[0]
+    assert "--eval-top-p FLOAT" in eval_group and "nucleus sampling" in eval_group
+    assert "(default: 8)" in out.split("--iterations INT")[1].split("│ --")[0]
