@@ -28,7 +28,6 @@ Choose hyperparameters with --split valid; the test split is for the final table
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import json
 import math
@@ -39,15 +38,10 @@ import subprocess
 import sys
 import time
 
-try:
-    import fcntl  # a run's lock while it runs (POSIX); without it two processes may run one run
-except ImportError:
-    fcntl = None
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import envs  # noqa: E402
-from common.run import write_json  # noqa: E402
+from common.run import try_lock, write_json  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "learning")  # the committed records
 # The protocol's training budget on top of the script's tiny defaults, fixed beforehand so that a
 # run takes about 12 minutes on 2 cores; the hyperparameters themselves were not tuned.
@@ -270,12 +264,12 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
         command += ["--eval-every", str(eval_every or iterations)]
     if starts:
         command += ["--start-evaluations", starts]
-    os.makedirs(runs_dir, exist_ok=True)
-    with run_lock(os.path.join(runs_dir, run_name(estimator, seed) + ".lock")) as mine:
-        if not mine:
-            print(f"  {run_name(estimator, seed)}: running in another process; skipped",
-                  flush=True)
-            return None
+    os.makedirs(run_dir, exist_ok=True)
+    lock = try_lock(run_dir)  # held while this process runs it: two processes share the runs
+    if lock is None:
+        print(f"  {run_name(estimator, seed)}: running in another process; skipped", flush=True)
+        return None
+    try:
         summaries = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")))
         if summaries:  # finished, with no record yet
             print(f"  {run_name(estimator, seed)}: finished in {run_dir}", flush=True)
@@ -285,27 +279,13 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
         check_record(record, split, summaries[-1])
         os.makedirs(records_dir, exist_ok=True)
         write_json(record_file, record)  # whole or not at all
+    finally:
+        os.close(lock)
     evaluations = record["evaluations"]
     start, end = evaluations["0"], evaluations[max(evaluations, key=int)]
     print(f"  start {start[f'eval_{split}/success']:.3f} -> end {end[f'eval_{split}/success']:.3f}"
           f" ({record['minutes']:.1f} min)", flush=True)
     return record
-
-
-@contextlib.contextmanager
-def run_lock(path: str):
-    """Yields whether this process holds the lock file `path` (held until the block ends; the
-    system frees it however the process ends)."""
-    if fcntl is None:
-        yield True
-        return
-    with open(path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
 
 
 def start_or_resume(command: list[str], run_dir: str, runs_dir: str, name: str) -> str:

@@ -77,6 +77,20 @@ def set_random_streams(streams: dict) -> None:
         torch.cuda.set_rng_state_all(streams["cuda"])
 
 
+def try_lock(path: str) -> int | None:
+    """A descriptor of `path` (a file or directory) that holds an exclusive lock on it until it
+    is closed or the process ends, whatever the way out (kill -9 included; no lock file); None
+    while another process holds the lock. Without fcntl (not POSIX) nothing is locked."""
+    descriptor = os.open(path, os.O_RDONLY)
+    if fcntl is not None:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            return None
+    return descriptor
+
+
 def rollout_stats(batch: list[dict], advantages: list) -> dict:
     """What the log shows of an iteration's batch (every process's summarized trajectories and
     their per-step advantages): success, grounding (admissible steps), well-formed replies,
@@ -394,13 +408,8 @@ class Run:
 
     def _lock(self) -> str | None:
         """The main process's part of _take_lock: None, or why the lock is not ours."""
-        if fcntl is None:
-            return None
-        self.lock = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.release()
+        self.lock = try_lock(self.path)
+        if self.lock is None:
             return (f"--resume {self.path}: the run is still going (another process holds its "
                     "lock); stop it first, or wait for it")
         return None

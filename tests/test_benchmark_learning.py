@@ -309,3 +309,35 @@ def test_an_unfinished_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert ran == [["python", "proxmo.py", "--resume", str(run_dir / "proxmo__a"),
                     "--iterations", "60"]]
     assert summary == str(run_dir / "proxmo__a" / "summary.json")
+
+
+def test_a_run_another_process_is_running_is_skipped(tmp_path, monkeypatch, capsys):
+    """Two processes on one folder share the runs: a run whose directory another process holds
+    (its lock, on the directory: no lock file) is skipped, not run twice; once the lock is let
+    go, the run goes ahead."""
+    import learning
+
+    from common.run import try_lock
+
+    run_dir = tmp_path / "runs" / "grpo-seed1"
+    run_dir.mkdir(parents=True)
+    ran = []
+
+    def fake(command, *where):
+        ran.append(command)
+        raise SystemExit("started")
+
+    monkeypatch.setattr(learning, "start_or_resume", fake)
+    lock = try_lock(str(run_dir))
+    assert lock is not None and try_lock(str(run_dir)) is None  # one holder at a time
+    try:
+        assert learning.run_one("proxmo.py", "grpo", 1, "test", 4, str(tmp_path / "runs"),
+                                str(tmp_path / "records"), []) is None
+    finally:
+        os.close(lock)
+    assert "grpo-seed1: running in another process; skipped" in capsys.readouterr().out
+    assert ran == [] and os.listdir(run_dir) == []
+    with pytest.raises(SystemExit, match="started"):
+        learning.run_one("proxmo.py", "grpo", 1, "test", 4, str(tmp_path / "runs"),
+                         str(tmp_path / "records"), [])
+    assert len(ran) == 1
