@@ -1399,8 +1399,8 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
     params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
     stats = defaultdict(list)
     response_lengths = [len(s.response) for s in samples]
-    # ppo_epochs passes, each a fresh shuffle cut into mini-batches of --minibatch-size samples;
-    # mini.mine: the members among `samples`, mini.tokens: the response tokens of all of it.
+    # ppo_epochs fresh shuffles, cut into --minibatch-size samples (the last may be smaller);
+    # mini.mine: its members among `samples`, mini.tokens: its response tokens on every process.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0

@@ -398,21 +398,13 @@ class Run:
 
     def _take_lock(self) -> None:
         """The main process holds a lock on the run directory itself until the run finishes or
-        the process ends (the system frees it whatever the way out, kill -9 included; no file
-        to delete, none left behind). Every process calls it: refused on all when another
+        the process ends (try_lock). Every process calls it: refused on all when another
         process holds the lock."""
-        refused = self._lock() if self.dist.is_main_process else None
-        refused = broadcast_object_list([refused])[0]
-        if refused:
-            raise UsageError(refused)
-
-    def _lock(self) -> str | None:
-        """The main process's part of _take_lock: None, or why the lock is not ours."""
-        self.lock = try_lock(self.path)
-        if self.lock is None:
-            return (f"--resume {self.path}: the run is still going (another process holds its "
-                    "lock); stop it first, or wait for it")
-        return None
+        if self.dist.is_main_process:
+            self.lock = try_lock(self.path)
+        if broadcast_object_list([self.dist.is_main_process and self.lock is None])[0]:
+            raise UsageError(f"--resume {self.path}: the run is still going (another process "
+                             "holds its lock); stop it first, or wait for it")
 
     def release(self) -> None:
         """Lets go of the run directory's lock."""
@@ -444,14 +436,11 @@ class Run:
                                                                         CHECKSUMS)):
             raise UsageError(f"--resume {resume}: its checkpoint was saved with {CHECKSUMS}, "
                              "which is gone; it cannot be checked, so it is not resumed")
-        missing = [k for k in ("iteration", "history") if not isinstance(state, dict)
+        missing = [k for k in ("iteration", "history", "streams") if not isinstance(state, dict)
                    or k not in state]
         if missing:
             raise UsageError(f"--resume {resume}: {file} lacks {', '.join(missing)}; it is not a "
                              "checkpoint this script wrote")
-        if "streams" not in state:  # saved by one process before data parallel existed
-            state["streams"] = [{"python": state["python_rng"], "numpy": state["numpy_rng"],
-                                 "torch": state["torch_rng"], "cuda": state["cuda_rng"]}]
         finished = os.path.isfile(self.file("summary.json"))
         # A run stopped after its last checkpoint and before its summary resumes to finish.
         if state["iteration"] > self.args.iterations or (
@@ -574,7 +563,7 @@ class Run:
         save: a resume that fails before it leaves the run as it was) and the loggers."""
         if self.dist.is_main_process and not self.args.resume:
             planned, self.path = self.path, self._new_directory()
-            self._lock()  # a directory made just now: no other run holds it
+            self.lock = try_lock(self.path)  # a directory made just now: no other run has it
             if self.path != planned:
                 print(f"run directory: {self.path} ({os.path.basename(planned)} was taken)")
         self.path = broadcast_object_list([self.path])[0]
