@@ -53,8 +53,7 @@ def test_two_iterations(advantage, tmp_path):
     scalars = EventAccumulator(events).Reload()
     iteration = [e.value for e in scalars.Scalars("time/iteration_seconds")]
     parts = [[e.value for e in scalars.Scalars(f"time/{part}_seconds")] for part in
-             ("prompts", "generation", "env", "advantages", "old_logprobs", "ref_logprobs",
-              "update")]
+             ("prompts", "generation", "env", "advantages", "ref_logprobs", "update")]
     for k in range(2):  # the breakdown of each iteration fits inside it
         assert all(p[k] >= 0 for p in parts) and sum(p[k] for p in parts) <= iteration[k]
     base = os.path.join(run_path, "base_model") if scratch else TINY_CHECKPOINT
