@@ -1490,7 +1490,7 @@ def main(args: Args) -> dict:
     # What the RL launch after behavior cloning takes besides its model (launch_errors):
     also = " --reward-models <its run>/reward_models" if args.advantage == "hisr" else ""
     run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
-                                                   also=also, one_process=one_process)
+                                             also=also, one_process=one_process)
 
     # Model: the start (--model, or cloned from the expert first), then RL's LoRA adapter.
     model, tokenizer = run.load_model()

@@ -631,8 +631,8 @@ class StepSample(NamedTuple):
 
 def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSample],
                   generator: torch.Generator, iteration: int) -> dict:
-    """PPO over the step samples: reference log-probs first (the old ones were recorded when
-    the responses were sampled), then `ppo_epochs` passes of shuffled mini-batches. Data parallel:
+    """PPO over the step samples: reference log-probs first (the old ones come with the
+    samples), then `ppo_epochs` passes of shuffled mini-batches. Data parallel:
     `samples` is this process's share of the batch, in process order; the mini-batches are drawn
     as one process would draw them, and the update is the sum of every process's gradients."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
@@ -642,7 +642,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     responses = [s.response for s in samples]
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     model.eval()  # no dropout in the reference pass
-    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # recorded when sampled
+    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # of the rollout policy
     # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
     with timer("ref_logprobs"):
         ref_logp = old_logp

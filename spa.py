@@ -1039,7 +1039,7 @@ def main(args: Args) -> dict:
     # What the RL launch after behavior cloning takes besides its model (launch_errors):
     also = " --progress-model <its run>/progress_model" if args.advantage == "spa" else ""
     run, train_tasks, eval_tasks = start_run(args, __file__, validate_args(args),
-                                                   also=also, one_process=one_process)
+                                             also=also, one_process=one_process)
     explore_tasks = exploration_tasks(args, run, train_tasks)  # checked before the model loads
 
     # Model: the start (--model, or cloned from the expert first), then RL's LoRA adapter.

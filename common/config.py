@@ -82,7 +82,7 @@ def print_help(Args, default) -> None:
     shown are `default`'s. tyro draws a group per nested dataclass, so the groups are dataclasses
     made here for the help alone, each field keeping its type and its comment as help."""
     import tyro
-    from tyro._docstrings import get_field_docstring
+    from tyro._docstrings import get_field_docstring  # tyro's comment reader (tyro==1.0.17)
 
     hints = typing.get_type_hints(Args)
     names = [f.name for f in fields(Args)]
@@ -102,9 +102,10 @@ def print_help(Args, default) -> None:
     cli = dataclass_view("Args", views)
     title = (Args.__doc__ or "").strip().split("\n\n")[0]
     cli.__doc__ = (f"{title}\n\nThe defaults shown are those of --model {default.model} --env "
-                   f"{default.env} --advantage {default.advantage}: add any of these flags to "
-                   "--help for another's. The device, evaluation splits and env workers follow "
-                   "the machine and the env; config.json in a run's directory holds every value.")
+                   f"{default.env} --advantage {default.advantage} (with --resume too): add any "
+                   "of these flags to --help for another's. The device, evaluation splits and "
+                   "env workers follow the machine and the env; config.json in a run's directory "
+                   "holds every value.")
     tyro.cli(cli, args=["--help"], prog=os.path.basename(sys.argv[0]))
 
 

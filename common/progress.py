@@ -12,8 +12,7 @@ class Progress:
     """A tqdm bar when stdout is a terminal. Otherwise (a log file, a pipe) plain lines:
     "desc 40/1725 [12s] loss=0.812", one per `interval` seconds and one for the last update.
 
-    update(n, **stats) advances by n and shows `stats` with that update (not one update late);
-    write(line) prints a line without breaking the bar."""
+    update(n, **stats) advances by n and shows `stats` with that update (not one update late)."""
 
     def __init__(self, total: int, desc: str, initial: int = 0, interval: float = 30.0):
         self.total, self.desc, self.count, self.interval = total, desc, initial, interval
@@ -36,12 +35,6 @@ class Progress:
             fields = " ".join(f"{k}={v}" for k, v in shown.items())
             line = f"{self.desc} {self.count}/{self.total} [{now - self.start:.0f}s] {fields}"
             print(line.rstrip(), flush=True)
-
-    def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stdout)
-        else:
-            print(line, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

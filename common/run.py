@@ -80,14 +80,16 @@ def set_random_streams(streams: dict) -> None:
 def try_lock(path: str) -> int | None:
     """A descriptor of `path` (a file or directory) that holds an exclusive lock on it until it
     is closed or the process ends, whatever the way out (kill -9 included; no lock file); None
-    while another process holds the lock. Without fcntl (not POSIX) nothing is locked."""
+    while another process holds the lock. Without fcntl (not POSIX) nothing is locked: a
+    descriptor of os.devnull."""
+    if fcntl is None:
+        return os.open(os.devnull, os.O_RDONLY)
     descriptor = os.open(path, os.O_RDONLY)
-    if fcntl is not None:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(descriptor)
-            return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        return None
     return descriptor
 
 
@@ -440,7 +442,8 @@ class Run:
                    or k not in state]
         if missing:
             raise UsageError(f"--resume {resume}: {file} lacks {', '.join(missing)}; it is not a "
-                             "checkpoint this script wrote")
+                             "checkpoint this version of the script wrote (one saved before "
+                             "data parallel has no streams) and cannot be resumed")
         finished = os.path.isfile(self.file("summary.json"))
         # A run stopped after its last checkpoint and before its summary resumes to finish.
         if state["iteration"] > self.args.iterations or (
@@ -519,12 +522,12 @@ class Run:
         kept in the history (summary.json) and printed as a line."""
         for split, tasks in eval_tasks.items():
             t0 = time.time()
-            stats = self.evaluation(split, iteration, lambda: evaluate(split, tasks))
+            stats = self._evaluation(split, iteration, lambda: evaluate(split, tasks))
             self.log(stats, iteration)
             self.history.setdefault(iteration, {}).update(stats)
             write_evaluation(stats, split, iteration, time.time() - t0)
 
-    def evaluation(self, split: str, iteration: int, evaluate) -> dict:
+    def _evaluation(self, split: str, iteration: int, evaluate) -> dict:
         """evaluate()'s stats. At iteration 0 with --start-evaluations: the stored evaluation of
         the same script, split, start weights and EVALUATION_SETTINGS when there is one (no game
         is played: every arm of a seed shares one start evaluation), else evaluate()'s, stored

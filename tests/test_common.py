@@ -545,3 +545,20 @@ def test_nested_timers_count_each_second_on_one_clock(monkeypatch):
     assert common.run.timings() == {"time/update_seconds": 7.0, "time/old_logprobs_seconds": 5.0,
                                     "time/env_seconds": 0.5}
     assert common.run.timings() == {}
+
+
+def test_try_lock_holds_a_directory_once_and_locks_nothing_without_fcntl(tmp_path, monkeypatch):
+    import common.run
+
+    held = common.run.try_lock(str(tmp_path))
+    assert held is not None and common.run.try_lock(str(tmp_path)) is None
+    os.close(held)
+    again = common.run.try_lock(str(tmp_path))  # let go: the next one holds it
+    assert again is not None
+    os.close(again)
+    monkeypatch.setattr(common.run, "fcntl", None)  # not POSIX: nothing is locked, no error
+    first, second = common.run.try_lock(str(tmp_path)), common.run.try_lock(str(tmp_path))
+    assert first is not None and second is not None
+    os.close(first)
+    os.close(second)
+    assert os.listdir(tmp_path) == []
