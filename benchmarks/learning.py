@@ -317,6 +317,21 @@ def finished(records_dir: str, runs_dir: str, estimator: str, seed: int) -> bool
             or bool(glob.glob(os.path.join(runs_dir, name, "*", "summary.json"))))
 
 
+def as_taken(flags: list[str]) -> list[str]:
+    """The flags as a run takes them: each flag once, with the values it was given last, in the
+    order flags were first given (a flag repeated after -- overrides the protocol's)."""
+    taken: dict[str, list[str]] = {}
+    name = None
+    for token in flags:
+        if token.startswith("--"):
+            name = token
+            taken[name] = []  # given again: the last values win
+        elif name is not None:
+            taken[name].append(token)
+    first = list(dict.fromkeys(f for f in flags if f.startswith("--")))
+    return [t for f in first for t in [f, *taken[f]]]
+
+
 def _last_value(command: list[str], flag: str) -> str | None:
     values = [command[i + 1] for i, c in enumerate(command[:-1]) if c == flag]
     return values[-1] if values else None
@@ -604,7 +619,7 @@ def main(argv: list[str]) -> str:
     os.makedirs(records_dir, exist_ok=True)
     with open(os.path.join(records_dir, "table.md"), "w") as f:
         seeds = sorted({seed for runs in results.values() for seed in runs})
-        f.write(f"flags: {' '.join(flags)}; seeds {seeds}; split {args.split}\n\n"
+        f.write(f"flags: {' '.join(as_taken(flags))}; seeds {seeds}; split {args.split}\n\n"
                 f"{markdown}\n")
     plot(args.script, args.split, results, pairs, os.path.join(records_dir, "learning.png"))
     print(markdown)

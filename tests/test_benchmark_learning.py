@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from learning import (PROTOCOL_FLAGS, check_record, curve_table, mean_and_se,
+from learning import (PROTOCOL_FLAGS, as_taken, check_record, curve_table, mean_and_se,
                       paired_differences, start_or_resume,  # noqa: E402
                       paired_table, table, verdict)
 
@@ -341,3 +341,10 @@ def test_a_run_another_process_is_running_is_skipped(tmp_path, monkeypatch, caps
         learning.run_one("proxmo.py", "grpo", 1, "test", 4, str(tmp_path / "runs"),
                          str(tmp_path / "records"), [])
     assert len(ran) == 1
+
+
+def test_the_table_header_shows_each_flag_once_with_its_last_values():
+    flags = ["--iterations", "20", "--tasks-per-iteration", "8", "--no-use-std",
+             "--tasks-per-iteration", "2", "--eval-splits", "test", "valid", "--lr", "-1e-3"]
+    assert as_taken(flags) == ["--iterations", "20", "--tasks-per-iteration", "2", "--no-use-std",
+                               "--eval-splits", "test", "valid", "--lr", "-1e-3"]
