@@ -97,7 +97,7 @@ def print_help(Args, default) -> None:
         members = [(name, typing.Annotated[hints[name], tyro.conf.arg(
             help=get_field_docstring(Args, name, ()))], getattr(default, name)) for name in group]
         view = dataclass_view(title, members)
-        views.append((title.replace(" ", "_").replace(",", ""), typing.Annotated[
+        views.append((view.__name__, typing.Annotated[
             view, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=title)], view()))
     cli = dataclass_view("Args", views)
     title = (Args.__doc__ or "").strip().split("\n\n")[0]
@@ -134,13 +134,11 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
     peek.add_argument("--resume", default=None)
     peek.add_argument("-h", "--help", action="store_true")
     known, _ = peek.parse_known_args(argv)
+    env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
+    advantage = known.advantage if known.advantage in choices(Args, "advantage") else None
     if known.help:
-        env = known.env if known.env in envs.ENV_NAMES else "household"
-        advantage = known.advantage if known.advantage in choices(Args, "advantage") else None
         print_help(Args, preset_args(Args, presets, known.model, env, advantage))
     if known.resume is None:
-        env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
-        advantage = known.advantage if known.advantage in choices(Args, "advantage") else None
         return tyro.cli(Args, args=argv, default=preset_args(Args, presets, known.model, env,
                                                              advantage))
     config_file = os.path.join(known.resume, "config.json")
