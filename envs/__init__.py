@@ -54,10 +54,16 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers
     """A game of `task`. expert=True is needed for expert_action() (behavior-cloning demos); the
     household's expert is free, ALFWorld's makes every step slower. workers > 0: the game lives in
     one of `workers` processes (a common.envbatch.WorkerPool, started at the first such call and
-    kept), for ALFWorld's slow engine; EnvBatch steps such games at once. An ALFWorld expert's
-    rare random choices come from its own generator, seeded from `random` here (or by `seed`), so
-    a game plays the same in this process or in a worker."""
+    kept), for ALFWorld's slow engine; EnvBatch steps such games at once. An ALFWorld game with
+    a recorded demonstration at this step limit plays back from it (alfworld_env.RecordedGame:
+    no engine, no worker). An ALFWorld expert's rare random choices come from its own generator,
+    seeded from `random` here (or by `seed`), so a game plays the same in this process or in a
+    worker."""
     _check(env_name)
+    if env_name == "alfworld" and expert:
+        recording = alfworld_env.load_demonstration(task, max_steps)
+        if recording is not None:  # played once, with the game set: no engine, no worker
+            return alfworld_env.RecordedGame(task, recording)
     if env_name == "alfworld" and expert and seed is None:
         seed = random.getrandbits(32)
     if workers > 0:
@@ -98,6 +104,8 @@ def noisy_expert(game, history: list, noise: float, rng: random.Random) -> tuple
     one executed: the label with probability 1 - noise; else, half the time, the previous command
     of `history` ((observation, command) pairs) again (the typical mistake, usually answered
     "Nothing happens."), and otherwise a random admissible one."""
+    if isinstance(game, alfworld_env.RecordedGame):  # played once, its mistakes recorded
+        return game.recorded_step(noise)
     label = game.expert_action()
     if label is None:
         return None, "look"

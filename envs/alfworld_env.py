@@ -92,6 +92,61 @@ def vocabulary() -> list[str]:
     return sorted(words - {"obj", "recep", "toggle", "mrecep"})
 
 
+DEMONSTRATION = "demonstration.json"  # beside game.tw-pddl: the noisy expert's game, played once
+
+
+def load_demonstration(game_file: str, max_steps: int) -> dict | None:
+    """The game's recorded demonstration (`python -m envs.alfworld_games --demonstrations`), or
+    None when it has none played with this step limit."""
+    path = os.path.join(os.path.dirname(game_file), DEMONSTRATION)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        recording = json.load(f)
+    return recording if recording["max_steps"] == max_steps else None
+
+
+class RecordedGame:
+    """A recorded expert demonstration, played back without the engine: the observations,
+    admissible actions, expert labels and executed commands of the one time it was played.
+    envs.noisy_expert takes its recorded (label, command); step() accepts only that command."""
+
+    def __init__(self, game_file: str, recording: dict):
+        self.game_file, self.task_type = game_file, task_type_of(game_file)
+        self.noise, self.max_steps = recording["noise"], recording["max_steps"]
+        self.task_description = recording["task_description"]
+        self._first, self._steps = recording["observation"], recording["steps"]
+        self.steps, self.won = 0, False
+
+    def reset(self) -> str:
+        self.steps, self.won = 0, False
+        return self._first
+
+    def admissible_actions(self) -> list[str]:
+        return list(self._steps[self.steps]["admissible"])
+
+    def expert_action(self) -> str | None:
+        return self._steps[self.steps]["label"]
+
+    def recorded_step(self, noise: float) -> tuple[str | None, str]:
+        """(label, command) as recorded; the recording's noise must be the one asked for."""
+        if noise != self.noise:
+            raise UsageError(f"{self.game_file}'s demonstration was played with --bc-noise "
+                             f"{self.noise}, not {noise}: pass --bc-noise {self.noise}, or "
+                             f"delete the game set's {DEMONSTRATION} files to play them live")
+        step = self._steps[self.steps]
+        return step["label"], step["command"]
+
+    def step(self, command: str) -> tuple[str, float, bool, dict]:
+        step = self._steps[self.steps]
+        if command != step["command"]:
+            raise RuntimeError(f"a recorded demonstration plays only its own commands: "
+                               f"{step['command']!r}, not {command!r}")
+        self.steps, self.won = self.steps + 1, step["won"]
+        return step["observation"], float(step["won"]), step["done"], {"won": step["won"],
+                                                                        "valid": step["valid"]}
+
+
 def expert_view(command: str) -> str:
     """The command as alfworld's hand-coded expert must see it to track its inventory: the
     grammar's "move X to Y" written as the older "put X in/on Y" (see the module docstring)."""

@@ -34,11 +34,13 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import multiprocessing
 import os
 import random
 import re
 import sys
 import time
+import zlib
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
@@ -356,6 +358,68 @@ def make_game(out: str, split: str, task_type: str, index: int, seed: int,
     return game_file
 
 
+def record_demonstration(game_file: str, noise: float, max_steps: int) -> int:
+    """Play the noisy expert (envs.noisy_expert, as behavior cloning does) on a game once and
+    write what it saw and did beside the game (alfworld_env.DEMONSTRATION), for behavior cloning
+    to play back (alfworld_env.RecordedGame). Seeded by the game: the same game, noise and step
+    limit write the same file. Returns the steps played."""
+    import envs
+    from envs.alfworld_env import DEMONSTRATION, AlfworldEnv
+
+    folder = os.path.dirname(game_file)
+    with open(os.path.join(folder, "traj_data.json")) as f:
+        traj = json.load(f)
+    # Generated games store the expert seed they were won with; downloaded ones get one from
+    # their trial's name.
+    expert_seed = traj.get("expert_seed", zlib.crc32(os.path.basename(folder).encode()))
+    game = AlfworldEnv(game_file, max_steps=max_steps, expert=True, seed=expert_seed)
+    rng = random.Random(f"{expert_seed}/{noise}")  # the mistakes' own stream
+    observation = game.reset()
+    recording = {"noise": noise, "max_steps": max_steps, "observation": observation,
+                 "task_description": game.task_description, "steps": []}
+    history, done = [], False
+    while not done:
+        admissible = game.admissible_actions()
+        label, command = envs.noisy_expert(game, history, noise, rng)
+        next_observation, _, done, info = game.step(command)
+        recording["steps"].append({"admissible": admissible, "label": label, "command": command,
+                                   "observation": next_observation, "valid": info["valid"],
+                                   "won": info["won"], "done": done})
+        history.append((observation, command))
+        observation = next_observation
+    path = os.path.join(folder, DEMONSTRATION)
+    _write_json(path + ".partial", recording)  # whole or not at all
+    os.replace(path + ".partial", path)
+    return len(recording["steps"])
+
+
+def _record(job: tuple[str, float, int]) -> int:
+    return record_demonstration(*job)
+
+
+def record_demonstrations(game_files: list[str], noise: float, max_steps: int,
+                          workers: int) -> None:
+    """record_demonstration for every game without one at this noise and step limit, on
+    `workers` processes, with a progress line every 30 s."""
+    from envs.alfworld_env import load_demonstration
+
+    todo = [f for f in game_files
+            if (load_demonstration(f, max_steps) or {}).get("noise") != noise]
+    print(f"demonstrations: {len(game_files) - len(todo)} of {len(game_files)} games already "
+          f"recorded; the expert plays the other {len(todo)} (--bc-noise {noise}, "
+          f"--max-episode-steps {max_steps}, {workers} processes)", flush=True)
+    started = last = time.time()
+    steps = 0
+    with multiprocessing.Pool(workers) as pool:
+        jobs = [(f, noise, max_steps) for f in todo]
+        for done, played in enumerate(pool.imap_unordered(_record, jobs), 1):
+            steps += played
+            if time.time() - last >= 30 or done == len(todo):
+                last = time.time()
+                print(f"demonstrations: {done}/{len(todo)} games, {steps} steps, "
+                      f"{(last - started) / 60:.1f} min", flush=True)
+
+
 def _write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f)
@@ -402,23 +466,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task-types", nargs="+", default=list(TASK_TYPES), choices=TASK_TYPES,
                         metavar="TYPE", help="task types to write (default all six: "
                                              f"{', '.join(TASK_TYPES)})")
+    parser.add_argument("--demonstrations", action="store_true",
+                        help="also play the expert once on every train game of --seed under "
+                             "--out (written beside each game; behavior cloning plays them back "
+                             "instead of the engine); on a set already made, only this")
+    parser.add_argument("--bc-noise", type=float, default=0.2,
+                        help="with --demonstrations: the share of steps that execute a mistake, "
+                             "as the scripts' --bc-noise (default 0.2)")
+    parser.add_argument("--max-episode-steps", type=int, default=50,
+                        help="with --demonstrations: the step limit, as the scripts' flag "
+                             "(default 50)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="with --demonstrations: processes playing games (default: the cores)")
     args = parser.parse_args(argv)
     if args.per_type < 1:
         parser.error("--per-type must be >= 1")
     if not 0 <= args.seed < 2**32:
         parser.error("--seed must be in [0, 2**32)")
-    existing = [path for split in args.splits for path in glob.glob(
-        os.path.join(args.out, "json_2.1.1", split, "*", f"trial_T{args.seed}_*"))]
-    if existing:
+    # Only the cells asked for: two processes may write other task types of one set at once.
+    existing = [path for split in args.splits for task_type in args.task_types
+                for path in glob.glob(os.path.join(args.out, "json_2.1.1", split,
+                                                   f"{task_type}-*", f"trial_T{args.seed}_*"))]
+    if not 0 <= args.bc_noise <= 1:
+        parser.error("--bc-noise must be in [0, 1]")
+    if args.max_episode_steps < 1 or args.workers < 1:
+        parser.error("--max-episode-steps and --workers must be >= 1")
+    if existing and not args.demonstrations:
         parser.error(f"{args.out} already holds {args.splits} games of seed {args.seed} "
                      f"({existing[0]}); choose another --out or --seed")
-    made = generate(args.out, args.per_type, args.seed, args.splits, args.task_types)
-    short = {cell: len(files) for cell, files in made.items() if len(files) < args.per_type}
-    print(f"wrote {sum(len(f) for f in made.values())} games under "
-          f"{os.path.join(args.out, 'json_2.1.1')}")
-    for (split, task_type), count in short.items():
-        print(f"  only {count} {task_type} games in {split}: the expert lost the other draws",
-              file=sys.stderr)
+    if not existing:
+        made = generate(args.out, args.per_type, args.seed, args.splits, args.task_types)
+        short = {cell: len(files) for cell, files in made.items() if len(files) < args.per_type}
+        print(f"wrote {sum(len(f) for f in made.values())} games under "
+              f"{os.path.join(args.out, 'json_2.1.1')}")
+        for (split, task_type), count in short.items():
+            print(f"  only {count} {task_type} games in {split}: the expert lost the other draws",
+                  file=sys.stderr)
+    if args.demonstrations:
+        train = sorted(glob.glob(os.path.join(args.out, "json_2.1.1", "train", "*",
+                                              f"trial_T{args.seed}_*", "game.tw-pddl")))
+        if not train:
+            parser.error(f"--demonstrations: {args.out} holds no train games of seed {args.seed}")
+        record_demonstrations(train, args.bc_noise, args.max_episode_steps, args.workers)
     print(f"to use them, type:\n  export ALFWORLD_DATA={os.path.abspath(args.out)}")
     return 0
 
