@@ -44,7 +44,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors import SafetensorError
 
 import envs
-from common import RunStopped, UsageError
+from common import RunStopped, UsageError, write_json
 from common.dist import launch_errors, start_processes
 from common.model import (TINY_NAMES, check_lora_targets, load_model_and_tokenizer,
                           resolve_model_name)
@@ -197,16 +197,6 @@ def _set_state(thing, state) -> None:
         thing.setstate(state)
     else:
         thing.load_state_dict(state)
-
-
-def write_json(path: str, value) -> None:
-    """`value` as JSON at `path`, whole or not at all: written beside it, then renamed over it."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
 
 
 CHECKSUMS = "checksums.json"  # a checkpoint's files and their sha256, written last

@@ -55,15 +55,15 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers
     household's expert is free, ALFWorld's makes every step slower. workers > 0: the game lives in
     one of `workers` processes (a common.envbatch.WorkerPool, started at the first such call and
     kept), for ALFWorld's slow engine; EnvBatch steps such games at once. An ALFWorld game with
-    a recorded demonstration at this step limit plays back from it (alfworld_env.RecordedGame:
-    no engine, no worker). An ALFWorld expert's rare random choices come from its own generator,
+    a recorded demonstration of at least this step limit plays back from it
+    (alfworld_env.RecordedGame: no engine, no worker). An ALFWorld expert's rare random choices come from its own generator,
     seeded from `random` here (or by `seed`), so a game plays the same in this process or in a
     worker."""
     _check(env_name)
     if env_name == "alfworld" and expert:
         recording = alfworld_env.load_demonstration(task, max_steps)
         if recording is not None:  # played once, with the game set: no engine, no worker
-            return alfworld_env.RecordedGame(task, recording)
+            return alfworld_env.RecordedGame(task, recording, max_steps)
     if env_name == "alfworld" and expert and seed is None:
         seed = random.getrandbits(32)
     if workers > 0:

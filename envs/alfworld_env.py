@@ -56,11 +56,12 @@ def task_type_of(game_file: str) -> str:
     raise ValueError(f"cannot tell the task type of {game_file}")
 
 
-def game_files(split: str) -> list[str]:
-    """Sorted solvable game files of a split; a clear UsageError when there are none."""
+def game_files(split: str, root: str | None = None) -> list[str]:
+    """Sorted solvable game files of a split (under `root`, default data_root()); a clear
+    UsageError when there are none."""
     if split not in SPLITS:
         raise UsageError(f"unknown ALFWorld split {split!r}; expected one of {', '.join(SPLITS)}")
-    pattern = os.path.join(data_root(), "json_2.1.1", split, "*", "*", "game.tw-pddl")
+    pattern = os.path.join(root or data_root(), "json_2.1.1", split, "*", "*", "game.tw-pddl")
     files = []
     for path in sorted(glob.glob(pattern)):
         if "movable" in path or "Sliced" in path:
@@ -96,26 +97,33 @@ DEMONSTRATION = "demonstration.json"  # beside game.tw-pddl: the noisy expert's 
 
 
 def load_demonstration(game_file: str, max_steps: int) -> dict | None:
-    """The game's recorded demonstration (`python -m envs.alfworld_games --demonstrations`), or
-    None when it has none played with this step limit."""
+    """The game's recorded demonstration (`python -m envs.alfworld_games --demonstrations`) when
+    it was played with at least this step limit (the expert never sees the limit, so a shorter
+    one is the recording cut), else None."""
     path = os.path.join(os.path.dirname(game_file), DEMONSTRATION)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        recording = json.load(f)
-    return recording if recording["max_steps"] == max_steps else None
+    try:
+        with open(path) as f:
+            recording = json.load(f)
+        recorded_steps, noise = recording["max_steps"], recording["noise"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{path} is damaged ({e!r}): delete it, and `python -m "
+                         "envs.alfworld_games --demonstrations` records it again") from e
+    return recording if recorded_steps >= max_steps and recording["steps"] else None
 
 
 class RecordedGame:
     """A recorded expert demonstration, played back without the engine: the observations,
-    admissible actions, expert labels and executed commands of the one time it was played.
-    envs.noisy_expert takes its recorded (label, command); step() accepts only that command."""
+    admissible actions, expert labels and executed commands of the one time it was played, cut
+    at max_steps. envs.noisy_expert takes its recorded (label, command); step() accepts only that
+    command. A game whose expert gave up ends there (its further steps have no label to learn)."""
 
-    def __init__(self, game_file: str, recording: dict):
+    def __init__(self, game_file: str, recording: dict, max_steps: int):
         self.game_file, self.task_type = game_file, task_type_of(game_file)
-        self.noise, self.max_steps = recording["noise"], recording["max_steps"]
+        self.noise, self.max_steps = recording["noise"], max_steps
         self.task_description = recording["task_description"]
-        self._first, self._steps = recording["observation"], recording["steps"]
+        self._first, self._steps = recording["observation"], recording["steps"][:max_steps]
         self.steps, self.won = 0, False
 
     def reset(self) -> str:
@@ -133,18 +141,22 @@ class RecordedGame:
         if noise != self.noise:
             raise UsageError(f"{self.game_file}'s demonstration was played with --bc-noise "
                              f"{self.noise}, not {noise}: pass --bc-noise {self.noise}, or "
-                             f"delete the game set's {DEMONSTRATION} files to play them live")
+                             f"record the set again with --bc-noise {noise}")
         step = self._steps[self.steps]
         return step["label"], step["command"]
 
     def step(self, command: str) -> tuple[str, float, bool, dict]:
+        """The recorded answer: only to the recorded command (any case and spacing)."""
+        if self.won or self.steps >= len(self._steps):
+            raise RuntimeError("step() called on a finished game; call reset() first")
         step = self._steps[self.steps]
-        if command != step["command"]:
+        if command.lower().split() != step["command"].lower().split():
             raise RuntimeError(f"a recorded demonstration plays only its own commands: "
                                f"{step['command']!r}, not {command!r}")
         self.steps, self.won = self.steps + 1, step["won"]
-        return step["observation"], float(step["won"]), step["done"], {"won": step["won"],
-                                                                        "valid": step["valid"]}
+        done = step["done"] or self.steps == len(self._steps)
+        return step["observation"], float(self.won), done, {"won": self.won,
+                                                            "valid": step["valid"]}
 
 
 def expert_view(command: str) -> str:

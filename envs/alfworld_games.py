@@ -1,6 +1,6 @@
 """Real ALFWorld games with no download, made from the files the alfworld wheel ships.
 
-    python -m envs.alfworld_games --out ~/alfworld_data --per-type 20 --seed 1
+    python -m envs.alfworld_games --out ~/alfworld_data --per-type 20 --seed 1 [--demonstrations]
     export ALFWORLD_DATA=~/alfworld_data     # then: python proxmo.py --env alfworld ...
 
 The alfworld package ships everything a game is made of except where the objects lie: the PDDL
@@ -17,7 +17,9 @@ object placements, and writes each game as alfworld's `alfworld-download` data h
                             walkthrough
 
 Only games that alfworld's hand-coded expert wins (driven by envs/alfworld_env.py, with its
-pick-two fix) are kept; the expert's commands are the walkthrough.
+pick-two fix) are kept; the expert's commands are the walkthrough. With --demonstrations the
+noisy expert (mistakes, as behavior cloning plays) also plays every train game once, and its game
+is kept beside it as demonstration.json, which behavior cloning plays back without the engine.
 
 These are real ALFWorld games on the real engine (TextWorld's PDDL environment, ALFWorld's
 domain, grammar and expert) in ALFRED's rooms, but NOT the benchmark's games: ALFRED placed its
@@ -40,7 +42,9 @@ import random
 import re
 import sys
 import time
-import zlib
+
+from common import write_json
+from common.progress import Progress
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
@@ -277,23 +281,43 @@ def goal_sentence(task_type: str, params: dict, rng: random.Random) -> str:
                            mrecep=params["mrecep_target"].lower())
 
 
+def play_expert(game_file: str, seed: int, noise: float = 0.0,
+                max_steps: int = MAX_EXPERT_STEPS) -> dict:
+    """The hand-coded expert's game with envs.noisy_expert's mistakes (as behavior cloning
+    plays it): {"noise", "max_steps", "observation" (after reset), "task_description", "won",
+    "steps": [{"admissible", "label", "command", "observation", "valid", "won", "done"}]}.
+    `seed` seeds the expert's rare random choices, and the mistakes' own stream. It ends when
+    the game does, or before the step whose label is None (the expert gave up)."""
+    import envs
+    from envs.alfworld_env import AlfworldEnv
+
+    game = AlfworldEnv(game_file, max_steps=max_steps, expert=True, seed=seed)
+    rng = random.Random(f"{seed}/{noise}")
+    observation = game.reset()
+    played = {"noise": noise, "max_steps": max_steps, "observation": observation,
+              "task_description": game.task_description, "won": game.won, "steps": []}
+    history, done = [], game.won  # a goal true at the start: nothing to play
+    while not done:
+        admissible = game.admissible_actions()
+        label, command = envs.noisy_expert(game, history, noise, rng)
+        if label is None:
+            break
+        next_observation, _, done, info = game.step(command)
+        played["steps"].append({"admissible": admissible, "label": label, "command": command,
+                                "observation": next_observation, "valid": info["valid"],
+                                "won": info["won"], "done": done})
+        history.append((observation, command))
+        observation, played["won"] = next_observation, info["won"]
+    return played
+
+
 def expert_walkthrough(game_file: str, seed: int) -> list[str] | None:
     """The hand-coded expert's commands when it wins the game within MAX_EXPERT_STEPS, else
     None. `seed` seeds the expert's rare random choices."""
-    from envs.alfworld_env import AlfworldEnv
-
-    game = AlfworldEnv(game_file, max_steps=MAX_EXPERT_STEPS, expert=True, seed=seed)
-    game.reset()
-    if game.won:
+    played = play_expert(game_file, seed)
+    if not played["won"] or not played["steps"]:
         return None
-    commands, done = [], False
-    while not done:
-        command = game.expert_action()
-        if command is None:
-            return None
-        commands.append(command)
-        _, _, done, info = game.step(command)
-    return commands if info["won"] else None
+    return [step["command"] for step in played["steps"]]
 
 
 def make_game(out: str, split: str, task_type: str, index: int, seed: int,
@@ -358,66 +382,47 @@ def make_game(out: str, split: str, task_type: str, index: int, seed: int,
     return game_file
 
 
-def record_demonstration(game_file: str, noise: float, max_steps: int) -> int:
-    """Play the noisy expert (envs.noisy_expert, as behavior cloning does) on a game once and
-    write what it saw and did beside the game (alfworld_env.DEMONSTRATION), for behavior cloning
-    to play back (alfworld_env.RecordedGame). Seeded by the game: the same game, noise and step
-    limit write the same file. Returns the steps played."""
-    import envs
-    from envs.alfworld_env import DEMONSTRATION, AlfworldEnv
+def record_demonstrations(game_files: list[str], noise: float, max_steps: int,
+                          workers: int) -> None:
+    """Play the noisy expert once on every game without a recording of this noise and at least
+    this step limit (play_expert, seeded by the game's expert_seed: the same game, noise and
+    limit write the same file) and keep it beside the game (alfworld_env.DEMONSTRATION), for
+    behavior cloning to play back (alfworld_env.RecordedGame). On `workers` processes."""
+    from envs.alfworld_env import load_demonstration
 
-    folder = os.path.dirname(game_file)
-    with open(os.path.join(folder, "traj_data.json")) as f:
-        traj = json.load(f)
-    # Generated games store the expert seed they were won with; downloaded ones get one from
-    # their trial's name.
-    expert_seed = traj.get("expert_seed", zlib.crc32(os.path.basename(folder).encode()))
-    game = AlfworldEnv(game_file, max_steps=max_steps, expert=True, seed=expert_seed)
-    rng = random.Random(f"{expert_seed}/{noise}")  # the mistakes' own stream
-    observation = game.reset()
-    recording = {"noise": noise, "max_steps": max_steps, "observation": observation,
-                 "task_description": game.task_description, "steps": []}
-    history, done = [], False
-    while not done:
-        admissible = game.admissible_actions()
-        label, command = envs.noisy_expert(game, history, noise, rng)
-        next_observation, _, done, info = game.step(command)
-        recording["steps"].append({"admissible": admissible, "label": label, "command": command,
-                                   "observation": next_observation, "valid": info["valid"],
-                                   "won": info["won"], "done": done})
-        history.append((observation, command))
-        observation = next_observation
-    path = os.path.join(folder, DEMONSTRATION)
-    _write_json(path + ".partial", recording)  # whole or not at all
-    os.replace(path + ".partial", path)
-    return len(recording["steps"])
+    recorded = [load_demonstration(f, max_steps) for f in game_files]
+    todo = [f for f, r in zip(game_files, recorded) if r is None or r["noise"] != noise]
+    replaced = sum(os.path.exists(_recording(f)) for f in todo)
+    print(f"demonstrations: {len(game_files) - len(todo)} of {len(game_files)} games already "
+          f"recorded; the expert plays the other {len(todo)} ({replaced} of them recorded with "
+          f"another --bc-noise or a shorter step limit, replaced) at --bc-noise {noise}, "
+          f"--max-episode-steps {max_steps}", flush=True)
+    if not todo:
+        return
+    progress = Progress(len(todo), "demonstrations (games)")
+    steps = 0
+    # spawn: a worker inherits no threads; each keeps its own engine caches
+    with multiprocessing.get_context("spawn").Pool(min(workers, len(todo))) as pool:
+        for played in pool.imap_unordered(_record, [(f, noise, max_steps) for f in todo]):
+            steps += played
+            progress.update(1, steps=steps)
+    progress.close()
+
+
+def _recording(game_file: str) -> str:
+    from envs.alfworld_env import DEMONSTRATION
+
+    return os.path.join(os.path.dirname(game_file), DEMONSTRATION)
 
 
 def _record(job: tuple[str, float, int]) -> int:
-    return record_demonstration(*job)
-
-
-def record_demonstrations(game_files: list[str], noise: float, max_steps: int,
-                          workers: int) -> None:
-    """record_demonstration for every game without one at this noise and step limit, on
-    `workers` processes, with a progress line every 30 s."""
-    from envs.alfworld_env import load_demonstration
-
-    todo = [f for f in game_files
-            if (load_demonstration(f, max_steps) or {}).get("noise") != noise]
-    print(f"demonstrations: {len(game_files) - len(todo)} of {len(game_files)} games already "
-          f"recorded; the expert plays the other {len(todo)} (--bc-noise {noise}, "
-          f"--max-episode-steps {max_steps}, {workers} processes)", flush=True)
-    started = last = time.time()
-    steps = 0
-    with multiprocessing.Pool(workers) as pool:
-        jobs = [(f, noise, max_steps) for f in todo]
-        for done, played in enumerate(pool.imap_unordered(_record, jobs), 1):
-            steps += played
-            if time.time() - last >= 30 or done == len(todo):
-                last = time.time()
-                print(f"demonstrations: {done}/{len(todo)} games, {steps} steps, "
-                      f"{(last - started) / 60:.1f} min", flush=True)
+    """One game of record_demonstrations, in a worker: its steps."""
+    game_file, noise, max_steps = job
+    with open(os.path.join(os.path.dirname(game_file), "traj_data.json")) as f:
+        seed = json.load(f)["expert_seed"]
+    played = play_expert(game_file, seed, noise, max_steps)
+    write_json(_recording(game_file), played)
+    return len(played["steps"])
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -467,17 +472,18 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="TYPE", help="task types to write (default all six: "
                                              f"{', '.join(TASK_TYPES)})")
     parser.add_argument("--demonstrations", action="store_true",
-                        help="also play the expert once on every train game of --seed under "
-                             "--out (written beside each game; behavior cloning plays them back "
-                             "instead of the engine); on a set already made, only this")
-    parser.add_argument("--bc-noise", type=float, default=0.2,
+                        help="then play the expert once on every train game of --seed and "
+                             "--task-types under --out, kept beside each game for behavior "
+                             "cloning to play back; on a set already made, only this")
+    parser.add_argument("--bc-noise", type=float,
                         help="with --demonstrations: the share of steps that execute a mistake, "
                              "as the scripts' --bc-noise (default 0.2)")
-    parser.add_argument("--max-episode-steps", type=int, default=50,
+    parser.add_argument("--max-episode-steps", type=int,
                         help="with --demonstrations: the step limit, as the scripts' flag "
-                             "(default 50)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="with --demonstrations: processes playing games (default: the cores)")
+                             "(default 50; a recording serves any limit up to its own)")
+    parser.add_argument("--workers", type=int,
+                        help="with --demonstrations: processes playing games (default: the "
+                             "cores, at most 16)")
     args = parser.parse_args(argv)
     if args.per_type < 1:
         parser.error("--per-type must be >= 1")
@@ -487,14 +493,27 @@ def main(argv: list[str] | None = None) -> int:
     existing = [path for split in args.splits for task_type in args.task_types
                 for path in glob.glob(os.path.join(args.out, "json_2.1.1", split,
                                                    f"{task_type}-*", f"trial_T{args.seed}_*"))]
-    if not 0 <= args.bc_noise <= 1:
+    from envs import default_env_workers
+    from envs.alfworld_env import game_files, task_type_of
+
+    given = [name for name in ("bc_noise", "max_episode_steps", "workers")
+             if getattr(args, name) is not None]
+    if given and not args.demonstrations:
+        parser.error(f"--{given[0].replace('_', '-')} is for --demonstrations")
+    noise = 0.2 if args.bc_noise is None else args.bc_noise
+    max_steps = args.max_episode_steps or 50
+    workers = args.workers or default_env_workers("alfworld")
+    if not 0 <= noise <= 1:
         parser.error("--bc-noise must be in [0, 1]")
-    if args.max_episode_steps < 1 or args.workers < 1:
+    if max_steps < 1 or workers < 1:
         parser.error("--max-episode-steps and --workers must be >= 1")
     if existing and not args.demonstrations:
         parser.error(f"{args.out} already holds {args.splits} games of seed {args.seed} "
                      f"({existing[0]}); choose another --out or --seed")
-    if not existing:
+    if existing:
+        print(f"{args.out} already holds games of seed {args.seed}: recording their "
+              "demonstrations only")
+    else:
         made = generate(args.out, args.per_type, args.seed, args.splits, args.task_types)
         short = {cell: len(files) for cell, files in made.items() if len(files) < args.per_type}
         print(f"wrote {sum(len(f) for f in made.values())} games under "
@@ -503,11 +522,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  only {count} {task_type} games in {split}: the expert lost the other draws",
                   file=sys.stderr)
     if args.demonstrations:
-        train = sorted(glob.glob(os.path.join(args.out, "json_2.1.1", "train", "*",
-                                              f"trial_T{args.seed}_*", "game.tw-pddl")))
-        if not train:
-            parser.error(f"--demonstrations: {args.out} holds no train games of seed {args.seed}")
-        record_demonstrations(train, args.bc_noise, args.max_episode_steps, args.workers)
+        train = [f for f in game_files("train", args.out)
+                 if f"/trial_T{args.seed}_" in f and task_type_of(f) in args.task_types]
+        record_demonstrations(train, noise, max_steps, workers)
     print(f"to use them, type:\n  export ALFWORLD_DATA={os.path.abspath(args.out)}")
     return 0
 

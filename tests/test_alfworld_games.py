@@ -316,19 +316,22 @@ def test_demonstrations_are_played_once_and_played_back_as_the_engine_plays(data
                                                                             capsys):
     """--demonstrations plays the noisy expert once per train game and keeps it beside the game;
     make_game(expert=True) then plays it back without the engine: the same observations and
-    admissible commands as the engine gives for the recorded commands, the recorded labels."""
+    admissible commands as the engine gives for the recorded commands, the recorded labels; a
+    shorter step limit is the recording cut, a longer one the live engine."""
     import shutil
 
     import envs
     from common import UsageError
 
-    out = tmp_path / "data"
-    shutil.copytree(os.path.join(data_root, "json_2.1.1", "train"), out / "json_2.1.1" / "train")
-    argv = ["--out", str(out), "--seed", str(SEED), "--demonstrations", "--bc-noise", "0.5",
+    out = str(tmp_path / "data")
+    shutil.copytree(os.path.join(data_root, "json_2.1.1", "train"),
+                    os.path.join(out, "json_2.1.1", "train"))
+    argv = ["--out", out, "--seed", str(SEED), "--demonstrations", "--bc-noise", "0.5",
             "--max-episode-steps", "12", "--workers", "2"]
     assert alfworld_games.main(argv) == 0
-    assert "0 of 6 games already recorded; the expert plays the other 6" in capsys.readouterr().out
-    files = games(str(out), "train")
+    assert ("0 of 6 games already recorded; the expert plays the other 6 (0 of them recorded"
+            in capsys.readouterr().out)
+    files = games(out, "train")
     first = os.path.join(os.path.dirname(files[0]), "demonstration.json")
     with open(first, "rb") as f:
         recorded = f.read()
@@ -338,24 +341,34 @@ def test_demonstrations_are_played_once_and_played_back_as_the_engine_plays(data
     with open(first, "rb") as f:
         assert f.read() == recorded
     mistakes = 0
-    for game_file in files:
-        game = envs.make_game("alfworld", game_file, 12, expert=True, workers=2)
-        assert isinstance(game, alfworld_env.RecordedGame)
-        engine = alfworld_env.AlfworldEnv(game_file, max_steps=12)
-        assert game.reset() == engine.reset() and game.task_description
-        done = False
-        while not done:
-            assert game.admissible_actions() == engine.admissible_actions()
-            label, command = envs.noisy_expert(game, [], 0.5, random.Random(0))
-            mistakes += label != command
-            answer = game.step(command)
-            assert answer == engine.step(command)
-            done = answer[2]
-        assert game.steps == engine.steps
+    for limit in (12, 5):
+        for game_file in files:
+            game = envs.make_game("alfworld", game_file, limit, expert=True, workers=2)
+            assert isinstance(game, alfworld_env.RecordedGame)
+            engine = alfworld_env.AlfworldEnv(game_file, max_steps=limit)
+            assert game.reset() == engine.reset() and game.task_description
+            done = False
+            while not done:
+                assert game.admissible_actions() == engine.admissible_actions()
+                label, command = envs.noisy_expert(game, [], 0.5, random.Random(0))
+                assert label is not None
+                mistakes += label != command
+                answer = game.step(command.upper())  # any case, as the engine
+                assert answer == engine.step(command)
+                done = answer[2]
+            assert (game.won, game.steps) == (engine.won, engine.steps)
+            with pytest.raises(RuntimeError, match="finished game"):
+                game.step(command)
     assert mistakes > 0  # at noise 0.5 some recorded commands are not the expert's
     with pytest.raises(UsageError, match="played with --bc-noise 0.5, not 0.2"):
         envs.noisy_expert(envs.make_game("alfworld", files[0], 12, expert=True), [], 0.2,
                           random.Random(0))
-    # Another step limit than the recording's: the live engine.
-    assert isinstance(envs.make_game("alfworld", files[0], 11, expert=True),
+    assert isinstance(envs.make_game("alfworld", files[0], 13, expert=True),
                       alfworld_env.AlfworldEnv)
+    with open(first, "w") as f:
+        f.write("{")
+    with pytest.raises(UsageError, match="damaged"):
+        envs.make_game("alfworld", files[0], 12, expert=True)
+    with pytest.raises(SystemExit):
+        alfworld_games.main(["--out", out, "--bc-noise", "0.1"])  # only with --demonstrations
+    assert "--bc-noise is for --demonstrations" in capsys.readouterr().err
