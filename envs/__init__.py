@@ -56,9 +56,9 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers
     one of `workers` processes (a common.envbatch.WorkerPool, started at the first such call and
     kept), for ALFWorld's slow engine; EnvBatch steps such games at once. An ALFWorld game with
     a recorded demonstration of at least this step limit plays back from it
-    (alfworld_env.RecordedGame: no engine, no worker). An ALFWorld expert's rare random choices come from its own generator,
-    seeded from `random` here (or by `seed`), so a game plays the same in this process or in a
-    worker."""
+    (alfworld_env.RecordedGame: no engine, no worker). An ALFWorld expert's rare random choices
+    come from its own generator, seeded from `random` here (or by `seed`), so a game plays the
+    same in this process or in a worker."""
     _check(env_name)
     if env_name == "alfworld" and expert:
         recording = alfworld_env.load_demonstration(task, max_steps)
