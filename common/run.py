@@ -315,15 +315,19 @@ def start_run(args, script: str, errors: list[str], method: str | None = None,
 
 def describe(args, script: str, path: str) -> str:
     """What a run will do, in a few lines (every setting goes to its config.json)."""
+    def count(n: int, noun: str) -> str:
+        return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
     tasks = f"first {args.eval_num_tasks}" if args.eval_num_tasks else "all"
     lines = [f"{script} --advantage {args.advantage} --env {args.env} --model {args.model} "
              f"({args.device}, {args.backend} backend, seed {args.seed})",
-             f"  RL: {args.iterations} iterations x {args.tasks_per_iteration} tasks x "
-             f"{args.group_size} episodes, <= {args.max_episode_steps} steps of <= "
+             f"  RL: {count(args.iterations, 'iteration')} x "
+             f"{count(args.tasks_per_iteration, 'task')} x "
+             f"{count(args.group_size, 'episode')}, <= {args.max_episode_steps} steps of <= "
              f"{args.max_new_tokens} new tokens, lr {args.learning_rate:g}",
              f"  evaluation: {tasks} {'/'.join(args.eval_splits)} tasks "
-             f"(T={args.eval_temperature:g}) at 0, every {args.eval_every} iterations and at "
-             "the end",
+             f"(T={args.eval_temperature:g}) at 0, every {count(args.eval_every, 'iteration')} "
+             "and at the end",
              f"  {'resumes' if args.resume else 'run directory'}: {path}"]
     if args.bc_epochs > 0 and not args.resume:
         lines.insert(2, f"  behavior cloning first: {args.bc_epochs} epochs on "
