@@ -372,3 +372,55 @@ def test_demonstrations_are_played_once_and_played_back_as_the_engine_plays(data
     with pytest.raises(SystemExit):
         alfworld_games.main(["--out", out, "--bc-noise", "0.1"])  # only with --demonstrations
     assert "--bc-noise is for --demonstrations" in capsys.readouterr().err
+
+
+def test_the_start_rule_keeps_the_cheaper_candidate_unless_the_costlier_wins_by_two_se(
+        monkeypatch):
+    """benchmarks/alfworld_start.py's table, on hand-made records of 4 games: b wins 3 more
+    games than a (differences 1, 1, 1, 0: mean 0.75, sample SD 0.5, SE 0.25: 3 SE), so b is
+    chosen; c wins the same games as b (+0 +- 0): a tie keeps the cheaper b."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import alfworld_start
+
+    def record(flags, wins):
+        outcomes = [[game, won, 10] for game, won in enumerate(wins)]
+        return {"flags": flags, "minutes": 1.0,
+                "evaluation": {"eval_valid_seen/success": sum(wins) / 4,
+                               "eval_valid_seen/grounding": 0.5,
+                               "eval_valid_seen/episode_length": 10.0,
+                               "eval_valid_seen/outcomes": outcomes}}
+
+    text = alfworld_start.table({"a": record(["--a"], [0, 0, 0, 1]),
+                                 "b": record(["--b"], [1, 1, 1, 1]),
+                                 "c": record(["--c"], [1, 1, 1, 1])})
+    assert "| a | --a | 0.250 (1/4) | 0.500 | 10.0 | 1.0 |  | chosen (the first) |" in text
+    assert "| b | --b | 1.000 (4/4) | 0.500 | 10.0 | 1.0 | +0.750 +- 0.250 vs a | chosen |" in text
+    assert "| c | --c | 1.000 (4/4) | 0.500 | 10.0 | 1.0 | +0.000 +- 0.000 vs b | b stays |" in text
+    assert text.endswith("chosen: b\n")
+
+
+def test_a_start_candidate_runs_once_and_is_recorded(data_root, tmp_path, monkeypatch, capsys):
+    """benchmarks/alfworld_start.py at a tiny size: the candidate clones and evaluates once, its
+    record names the commit, the game set and every game's outcome; a second call reads it."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import alfworld_start
+
+    monkeypatch.setenv("ALFWORLD_DATA", data_root)
+    monkeypatch.setattr(alfworld_start, "SPLIT", "valid_unseen")
+    monkeypatch.setattr(alfworld_start, "START_FLAGS", [
+        "--env", "alfworld", "--model", "tiny-scratch", "--bc-epochs", "1", "--iterations", "0",
+        "--max-episode-steps", "4", "--eval-splits", "valid_unseen", "--env-workers", "0"])
+    monkeypatch.setattr(alfworld_start, "CANDIDATES", {"t": ["--bc-num-tasks", "2"]})
+    argv = ["--results", str(tmp_path / "results"), "--runs", str(tmp_path / "runs")]
+    assert alfworld_start.main(argv) == 0
+    with open(tmp_path / "results" / "t.json") as f:
+        record = json.load(f)
+    assert record["flags"] == ["--bc-num-tasks", "2"] and record["commit"]
+    assert record["game_set"]["train_games"] == 6
+    assert record["game_set"]["valid_unseen_games"] == 2
+    assert record["behavior_cloning"]["bc/steps"] > 0
+    assert len(record["evaluation"]["eval_valid_unseen/outcomes"]) == 2
+    assert "| t | --bc-num-tasks 2 |" in capsys.readouterr().out
+    assert os.path.isfile(tmp_path / "results" / "table.md")
+    assert alfworld_start.main(argv) == 0
+    assert "  t: recorded" in capsys.readouterr().out
