@@ -395,7 +395,8 @@ def test_the_start_rule_keeps_the_cheaper_candidate_unless_the_costlier_wins_by_
                                  "c": record(["--c"], [1, 1, 1, 1])})
     assert "| a | --a | 0.250 (1/4) | 0.500 | 10.0 | 1.0 |  | chosen (the first) |" in text
     assert "| b | --b | 1.000 (4/4) | 0.500 | 10.0 | 1.0 | +0.750 +- 0.250 vs a | chosen |" in text
-    assert "| c | --c | 1.000 (4/4) | 0.500 | 10.0 | 1.0 | +0.000 +- 0.000 vs b | b stays |" in text
+    assert ("| c | --c | 1.000 (4/4) | 0.500 | 10.0 | 1.0 | +0.000 +- 0.000 vs b | b stays |"
+            in text)
     assert text.endswith("chosen: b\n")
 
 
