@@ -44,6 +44,10 @@ CANDIDATES = {  # name -> its flags on top of START_FLAGS; cheapest first, as th
     "h1": ["--history-length", "1", "--bc-num-tasks", "500"],
     "h3": ["--history-length", "3", "--bc-num-tasks", "500"],
     "h5": ["--history-length", "5", "--bc-num-tasks", "500"],
+    # then the chosen history on every demonstration of the set (2,040 train games)
+    "h1-all": ["--history-length", "1", "--bc-num-tasks", "2040"],
+    "h3-all": ["--history-length", "3", "--bc-num-tasks", "2040"],
+    "h5-all": ["--history-length", "5", "--bc-num-tasks", "2040"],
 }
 
 
