@@ -118,9 +118,9 @@ def run_candidate(name: str, runs_dir: str, records_dir: str) -> dict | None:
     return record
 
 
-def table(records: dict[str, dict]) -> str:
-    """Success, grounding and episode length of each candidate, and the rule's choice: each one
-    against the candidate chosen before it."""
+def table(records: dict[str, dict]) -> tuple[str, str]:
+    """(the table, the chosen candidate): success, grounding and episode length of each
+    candidate, and the rule's choice, each one against the candidate chosen before it."""
     lines = ["| candidate | flags | success | grounding | steps | minutes | vs chosen | choice |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     chosen = None
@@ -139,7 +139,7 @@ def table(records: dict[str, dict]) -> str:
                      f"{len(outcomes)}) | {stats[f'eval_{SPLIT}/grounding']:.3f} | "
                      f"{stats[f'eval_{SPLIT}/episode_length']:.1f} | {record['minutes']:.1f} | "
                      f"{versus} | {choice} |")
-    return "\n".join(lines) + f"\n\nchosen: {chosen}\n"
+    return "\n".join(lines) + "\n", chosen
 
 
 def main(argv: list[str]) -> int:
@@ -162,13 +162,19 @@ def main(argv: list[str]) -> int:
         record = run_candidate(name, args.runs, args.results)
         if record is not None:
             records[name] = record
-    done = {name: records[name] for name in order if name in records}
-    text = table(done)
+    for name in order:  # those another process finished meanwhile
+        if name not in records and os.path.isfile(os.path.join(args.results, f"{name}.json")):
+            records[name] = run_candidate(name, args.runs, args.results)
+    missing = [name for name in order if name not in records]
+    text, chosen = table({name: records[name] for name in order if name in records})
+    if missing:  # the rule goes in order: no choice before every candidate is in
+        print(f"{text}\nstill running elsewhere: {' '.join(missing)}; no choice yet")
+        return 0
+    text += f"\nchosen: {chosen}\n"
     print(text)
-    if len(done) == len(order):
-        with open(os.path.join(args.results, "table.md"), "w") as f:
-            f.write(f"valid_seen, every game, T=0.4, 50 steps; flags on top of: "
-                    f"{' '.join(START_FLAGS)}\n\n{text}")
+    with open(os.path.join(args.results, "table.md"), "w") as f:
+        f.write(f"{SPLIT}, every game, T=0.4, 50 steps; flags on top of: "
+                f"{' '.join(START_FLAGS)}\n\n{text}")
     return 0
 
 
