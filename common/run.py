@@ -96,10 +96,15 @@ def try_lock(path: str) -> int | None:
 def rollout_stats(batch: list[dict], advantages: list) -> dict:
     """What the log shows of an iteration's batch (every process's summarized trajectories and
     their per-step advantages): success, grounding (admissible steps), well-formed replies,
-    episode length, step samples and the mean |advantage|."""
+    episode length, step samples, the share of mixed groups (neither all won nor all lost: the
+    groups a group baseline learns from) and the mean |advantage|."""
     steps = [s for tr in batch for s in tr["steps"]]
     abs_advantages = [abs(float(a)) for adv in advantages for a in adv]
+    wins = defaultdict(list)
+    for t in batch:
+        wins[t["group"]].append(t["won"])
     return {"rollout/success": float(np.mean([t["won"] for t in batch])),
+            "rollout/mixed_groups": float(np.mean([0 < sum(w) < len(w) for w in wins.values()])),
             "rollout/grounding": float(np.mean([s["valid"] for s in steps])),
             "rollout/well_formed": float(np.mean([s["well_formed"] for s in steps])),
             "rollout/episode_length": float(np.mean([len(t["steps"]) for t in batch])),

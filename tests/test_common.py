@@ -562,3 +562,21 @@ def test_try_lock_holds_a_directory_once_and_locks_nothing_without_fcntl(tmp_pat
     os.close(first)
     os.close(second)
     assert os.listdir(tmp_path) == []
+
+
+def test_rollout_stats_by_hand():
+    """Two groups of two: group 0 won once (mixed), group 1 never (all lost); 5 steps, 3 of them
+    admissible; advantages |0.5|, |-0.5|, 0, 0, |1|."""
+    from common.run import rollout_stats
+
+    def trajectory(group, won, valid):
+        return {"group": group, "won": won,
+                "steps": [{"valid": v, "well_formed": True} for v in valid]}
+
+    batch = [trajectory(0, True, [True]), trajectory(0, False, [True, False]),
+             trajectory(1, False, [False]), trajectory(1, False, [True])]
+    stats = rollout_stats(batch, [[0.5], [-0.5, 0.0], [0.0], [1.0]])
+    assert stats == {"rollout/success": 0.25, "rollout/mixed_groups": 0.5,
+                     "rollout/grounding": 0.6, "rollout/well_formed": 1.0,
+                     "rollout/episode_length": 1.25, "rollout/step_samples": 5,
+                     "train/advantage_abs_mean": 0.4}
