@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import envs
 from common import RunStopped, UsageError
-from common.model import TINY_NAMES, TINY_STARTS
+from common.model import DEFAULT_MODEL, TINY_ENV, TINY_NAMES, TINY_STARTS
 
 OVERRIDABLE = ("iterations", "device", "process_timeout_minutes")  # what --resume may change
 
@@ -128,13 +128,14 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
     import tyro
 
     peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--model", default="tiny")
+    peek.add_argument("--model", default=None)
     peek.add_argument("--env", default="household")
     peek.add_argument("--advantage", default=None)
     peek.add_argument("--resume", default=None)
     peek.add_argument("-h", "--help", action="store_true")
     known, _ = peek.parse_known_args(argv)
     env = known.env if known.env in envs.ENV_NAMES else "household"  # tyro rejects others
+    known.model = known.model or DEFAULT_MODEL[env]  # each env's shipped start
     advantage = known.advantage if known.advantage in choices(Args, "advantage") else None
     if known.help:
         print_help(Args, preset_args(Args, presets, known.model, env, advantage))
@@ -281,9 +282,10 @@ def errors(args, ranges: dict[str, str]) -> list[str]:
     rules = [
         (a.device == "cpu" or (a.device.startswith("cuda") and torch.cuda.is_available()),
          f"--device {a.device}: use cpu, or cuda / cuda:N on a machine with a CUDA GPU"),
-        (a.model not in TINY_STARTS or a.env == "household",
-         f"--model {a.model} knows only the household's words; for --env {a.env} use --model "
-         "tiny-scratch (words from ALFWorld's grammar) or a real one, e.g. Qwen2.5-1.5B-Instruct"),
+        (a.model not in TINY_STARTS or TINY_ENV[a.model] == a.env,
+         f"--model {a.model} knows only the {TINY_ENV.get(a.model)}'s words; for --env {a.env} "
+         f"use --model {DEFAULT_MODEL[a.env]} (its shipped start), tiny-scratch (behavior "
+         "cloning first) or a real one, e.g. Qwen2.5-1.5B-Instruct"),
         (a.exp_name not in ("", ".", "..") and "/" not in a.exp_name and os.sep not in a.exp_name,
          f"--exp-name {a.exp_name!r}: a name, not a path (the run goes under --run-dir)"),
         (len(a.eval_splits) >= 1, "--eval-splits needs at least one split"),

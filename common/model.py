@@ -19,10 +19,14 @@ from common import UsageError
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 # The shipped starts (each folder's README.md says how it was built): "tiny", a 2-layer Qwen2
 # behavior-cloned on the household expert, the stand-in for an Instruct model; "tiny-weak", the
-# same cloned on fewer demonstrations, a start that fails more often. "tiny-scratch" is that
-# architecture with random weights and build_tiny_tokenizer's words: behavior cloning comes first.
+# same cloned on fewer demonstrations, a start that fails more often; "tiny-alfworld", the same
+# architecture cloned on ALFWorld's expert. "tiny-scratch" is that architecture with random
+# weights and build_tiny_tokenizer's words: behavior cloning comes first.
 TINY_CHECKPOINT = os.path.join(ASSETS, "tiny-household")
-TINY_STARTS = {"tiny": TINY_CHECKPOINT, "tiny-weak": os.path.join(ASSETS, "tiny-household-weak")}
+TINY_STARTS = {"tiny": TINY_CHECKPOINT, "tiny-weak": os.path.join(ASSETS, "tiny-household-weak"),
+               "tiny-alfworld": os.path.join(ASSETS, "tiny-alfworld")}
+TINY_ENV = {"tiny": "household", "tiny-weak": "household", "tiny-alfworld": "alfworld"}
+DEFAULT_MODEL = {"household": "tiny", "alfworld": "tiny-alfworld"}  # without --model
 TINY_NAMES = (*TINY_STARTS, "tiny-scratch")  # the models the tiny presets are for
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 # Kept as ordinary (decodable) tokens: responses decode to "<action> go to desk 1 </action>".

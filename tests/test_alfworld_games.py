@@ -12,21 +12,26 @@ import sys
 
 import pytest
 
-from envs import alfworld_env, alfworld_games
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # also when run as a script, to record
+from envs import alfworld_env, alfworld_games  # noqa: E402
+
+TINY_ALFWORLD_RECORD = os.path.join(ROOT, "assets", "tiny-alfworld", "greedy_check.json")
 SEED = 3
 UNSEEN_TYPES = ("look_at_obj_in_light", "pick_two_obj_and_place")
 
 
-@pytest.fixture(scope="session")
-def data_root(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("alfworld_data"))
+def make_games(root: str) -> str:
     made = alfworld_games.generate(root, per_type=1, seed=SEED, splits=("train",))
     made.update(alfworld_games.generate(root, per_type=1, seed=SEED, splits=("valid_unseen",),
                                         task_types=UNSEEN_TYPES))
     assert all(len(files) == 1 for files in made.values()), made
     return root
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory):
+    return make_games(str(tmp_path_factory.mktemp("alfworld_data")))
 
 
 def games(root, split):
@@ -425,3 +430,68 @@ def test_a_start_candidate_runs_once_and_is_recorded(data_root, tmp_path, monkey
     assert os.path.isfile(tmp_path / "results" / "table.md")
     assert alfworld_start.main(argv) == 0
     assert "  t: recorded" in capsys.readouterr().out
+
+
+def play_tiny_alfworld(root: str):
+    """--model tiny-alfworld's greedy games of every game under root (train, then valid_unseen):
+    (the games as recorded: game, won, executed actions; the trajectories; the model)."""
+    from dataclasses import replace
+
+    from common.model import load_model_and_tokenizer
+    from proxmo import Policy, preset_args, rollout
+
+    model, tokenizer = load_model_and_tokenizer("tiny-alfworld")
+    args = replace(preset_args("tiny-alfworld", "alfworld"), env_workers=0)
+    files = games(root, "train") + games(root, "valid_unseen")
+    trajs = rollout(args, tokenizer, Policy(args, model, tokenizer), files,
+                    list(range(len(files))), temperature=0.0)
+    played = [{"game": os.path.relpath(f, root), "won": t["won"],
+               "actions": [s["action"] for s in t["steps"]]} for f, t in zip(files, trajs)]
+    return played, trajs, model
+
+
+def test_the_shipped_alfworld_start_plays_its_recorded_games(data_root):
+    """assets/tiny-alfworld (the default --model of --env alfworld) plays, greedily, the games
+    recorded beside it on the games the fixture generates: each game's actions up to its first
+    close call (the record keeps those), and the whole game where it has none. A change to
+    ALFWorld's text, the wrapper or the prompt that silently breaks the shipped start fails here.
+    Re-record, after rebuilding the start on purpose: python tests/test_alfworld_games.py --record
+    """
+    with open(TINY_ALFWORLD_RECORD) as f:
+        record = json.load(f)
+    played = {g["game"]: g for g in play_tiny_alfworld(data_root)[0]}
+    assert sorted(played) == sorted(g["game"] for g in record["games"])
+    for game in record["games"]:
+        actions = played[game["game"]]["actions"]
+        assert actions[:len(game["actions"])] == game["actions"], game["game"]
+        if game["whole"]:
+            assert (actions, played[game["game"]]["won"]) == (game["actions"], game["won"])
+    assert sum(len(g["actions"]) for g in record["games"]) >= 40
+
+
+def record_tiny_alfworld() -> None:
+    """Play every fixture game greedily; keep each game's actions up to the first whose greedy
+    tokens did not all beat the runner-up by 0.05 logits (float differences between machines
+    cannot flip the ones kept), and whether the whole game was kept."""
+    import tempfile
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_tiny_checkpoint import MIN_MARGIN, step_margins
+
+    with tempfile.TemporaryDirectory() as root:
+        played, trajs, model = play_tiny_alfworld(make_games(root))
+    kept = []
+    for game, traj in zip(played, trajs):
+        margins = step_margins(model, traj)
+        sure = next((i for i, m in enumerate(margins) if m < MIN_MARGIN), len(margins))
+        kept.append({**game, "actions": game["actions"][:sure], "whole": sure == len(margins)})
+    with open(TINY_ALFWORLD_RECORD, "w") as f:
+        json.dump({"games": kept}, f, indent=1)
+    print(f"recorded {sum(len(g['actions']) for g in kept)} greedy actions of {len(kept)} games "
+          f"({sum(g['whole'] for g in kept)} whole) in {TINY_ALFWORLD_RECORD}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit(record_tiny_alfworld.__doc__)
+    record_tiny_alfworld()

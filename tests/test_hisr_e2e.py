@@ -156,7 +156,7 @@ def test_help_lists_the_flags(tmp_path):
     (["--aux-heldout", "1"], "--aux-heldout must be in [0, 1)"),
     (["--segmenter", "gpt4o"], "gpt4o"),
     (["--importance-beta", "nan"], "--importance-beta must be finite"),
-    (["--env", "alfworld"], "--model tiny knows only the household's words"),
+    (["--env", "alfworld", "--model", "tiny"], "--model tiny knows only the household's words"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, tmp_path):
     """Rejected before any work: no collection, no run directory."""

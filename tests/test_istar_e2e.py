@@ -142,7 +142,7 @@ def test_help_lists_the_flags(tmp_path):
     (["--prm-max-grad-norm", "inf"], "--prm-max-grad-norm must be finite"),
     (["--estimator", "ppo"], "--estimator"),
     (["--traj-agg", "median"], "--traj-agg"),
-    (["--env", "alfworld"], "--model tiny knows only the household's words"),
+    (["--env", "alfworld", "--model", "tiny"], "--model tiny knows only the household's words"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, tmp_path):

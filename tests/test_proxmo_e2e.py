@@ -162,7 +162,7 @@ def test_help_lists_the_flags(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--env", "webshop"], "webshop"),
     (["--model", "Qwen-no-such-model-0B", "--bc-epochs", "0"], "cannot load model"),
-    (["--env", "alfworld"], "--model tiny knows only the household's words"),
+    (["--env", "alfworld", "--model", "tiny"], "--model tiny knows only the household's words"),
     (["--env", "alfworld", "--model", "Qwen2.5-0.5B-Instruct"], "alfworld-download"),
     (["--backend", "vllm", "--device", "cpu"], "needs a CUDA GPU"),
     (["--resume", "/nonexistent/run"], "no such run directory"),

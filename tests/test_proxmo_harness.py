@@ -177,6 +177,13 @@ def test_presets_follow_the_model():
     assert asdict(weak) == {**asdict(tiny), "model": "tiny-weak"}
     errors = validate_args(parse_args(["--env", "alfworld", "--model", "tiny-weak"]))
     assert any(e.startswith("--model tiny-weak knows only the household") for e in errors)
+    # each environment's own shipped start without --model; it plays only its own environment
+    alfworld = parse_args(["--env", "alfworld"])
+    assert asdict(alfworld) == {**asdict(parse_args(["--env", "alfworld", "--model", "tiny"])),
+                                "model": "tiny-alfworld"}
+    errors = validate_args(parse_args(["--model", "tiny-alfworld"]))
+    assert any(e.startswith("--model tiny-alfworld knows only the alfworld's words; for --env "
+                            "household use --model tiny") for e in errors)
     # tiny-scratch builds its tokenizer over the environment's words, ALFWorld's included
     assert validate_args(parse_args(["--env", "alfworld", "--model", "tiny-scratch"])) == []
     real = parse_args(["--model", "Qwen2.5-1.5B-Instruct", "--env", "alfworld"])

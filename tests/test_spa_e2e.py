@@ -147,7 +147,7 @@ def test_help_lists_the_flags(tmp_path):
     (["--explore-rollouts", "0"], "--explore-rollouts must be >= 1"),
     (["--pe-heldout", "1"], "--pe-heldout must be in [0, 1)"),
     (["--grounding-weight", "nan"], "--grounding-weight must be finite"),
-    (["--env", "alfworld"], "--model tiny knows only the household's words"),
+    (["--env", "alfworld", "--model", "tiny"], "--model tiny knows only the household's words"),
     (["--tasks-per-iteration", "5000"], "exceeds the 4000 training tasks"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, tmp_path):

@@ -117,7 +117,7 @@ def test_help_lists_the_flags(tmp_path):
     (["--generations-per-task", "0"], "--generations-per-task must be >= 1"),
     (["--advantage", "gigpo"], "gigpo"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
-    (["--env", "alfworld"], "--model tiny knows only the household's words"),
+    (["--env", "alfworld", "--model", "tiny"], "--model tiny knows only the household's words"),
 ])
 def test_bad_input_is_a_clear_error(argv, message, tmp_path):
     """Rejected before any work: no run directory."""

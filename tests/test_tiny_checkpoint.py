@@ -87,24 +87,27 @@ def test_greedy_games_match_the_record(tiny):
     assert sum(g["won"] for g in played) == record["wins"]
 
 
+def step_margins(model, traj: dict) -> list[float]:
+    """Per step of a greedy game, the smallest logit gap between the two best tokens over its
+    response: a step float differences between machines cannot change when it is large enough."""
+    margins = []
+    for step in traj["steps"]:
+        ids = torch.tensor([step["prompt"] + step["response_ids"]])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(step["prompt"]) - 1:-1]
+        top2 = logits.topk(2, dim=-1).values
+        margins.append((top2[:, 0] - top2[:, 1]).min().item())
+    return margins
+
+
 def record() -> None:
     """Play the first CANDIDATES test tasks greedily; keep the first NUM_TASKS whose every greedy
     token beat the runner-up by MIN_MARGIN logits, so that float differences between machines
     cannot flip a choice."""
     model, tokenizer = load_model_and_tokenizer("tiny")
     games, trajs = play_greedy(model, tokenizer, list(range(CANDIDATES)))
-    kept = []
-    for game, traj in zip(games, trajs):
-        margins = []
-        for step in traj["steps"]:
-            ids = torch.tensor([step["prompt"] + step["response_ids"]])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(step["prompt"]) - 1:-1]
-            top2 = logits.topk(2, dim=-1).values
-            margins.append((top2[:, 0] - top2[:, 1]).min().item())
-        if min(margins) >= MIN_MARGIN:
-            kept.append(game)
-    kept = kept[:NUM_TASKS]
+    kept = [game for game, traj in zip(games, trajs)
+            if min(step_margins(model, traj)) >= MIN_MARGIN][:NUM_TASKS]
     with open(RECORD, "w") as f:
         json.dump({"wins": sum(g["won"] for g in kept), "games": kept}, f, indent=1)
     print(f"recorded {len(kept)} games ({sum(g['won'] for g in kept)} won) in {RECORD}")
