@@ -26,7 +26,7 @@ import re
 import sys
 
 from common import UsageError
-from envs.base import begin_step
+from envs.base import begin_step, normalise
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
 # Game folders start with the task type, e.g. pick_cool_then_place_in_recep-Apple-None-Fridge-1.
@@ -96,11 +96,16 @@ def vocabulary() -> list[str]:
 DEMONSTRATION = "demonstration.json"  # beside game.tw-pddl: the noisy expert's game, played once
 
 
+def demonstration_file(game_file: str) -> str:
+    """Where a game's recorded demonstration lies: beside the game."""
+    return os.path.join(os.path.dirname(game_file), DEMONSTRATION)
+
+
 def load_demonstration(game_file: str, max_steps: int) -> dict | None:
     """The game's recorded demonstration (`python -m envs.alfworld_games --demonstrations`) when
     it was played with at least this step limit (the expert never sees the limit, so a shorter
     one is the recording cut), else None."""
-    path = os.path.join(os.path.dirname(game_file), DEMONSTRATION)
+    path = demonstration_file(game_file)
     if not os.path.exists(path):
         return None
     try:
@@ -150,7 +155,7 @@ class RecordedGame:
         if self.won or self.steps >= len(self._steps):
             raise RuntimeError("step() called on a finished game; call reset() first")
         step = self._steps[self.steps]
-        if command.lower().split() != step["command"].lower().split():
+        if normalise(command) != normalise(step["command"]):
             raise RuntimeError(f"a recorded demonstration plays only its own commands: "
                                f"{step['command']!r}, not {command!r}")
         self.steps, self.won = self.steps + 1, step["won"]

@@ -388,11 +388,11 @@ def record_demonstrations(game_files: list[str], noise: float, max_steps: int,
     this step limit (play_expert, seeded by the game's expert_seed: the same game, noise and
     limit write the same file) and keep it beside the game (alfworld_env.DEMONSTRATION), for
     behavior cloning to play back (alfworld_env.RecordedGame). On `workers` processes."""
-    from envs.alfworld_env import load_demonstration
+    from envs.alfworld_env import demonstration_file, load_demonstration
 
     recorded = [load_demonstration(f, max_steps) for f in game_files]
     todo = [f for f, r in zip(game_files, recorded) if r is None or r["noise"] != noise]
-    replaced = sum(os.path.exists(_recording(f)) for f in todo)
+    replaced = sum(os.path.exists(demonstration_file(f)) for f in todo)
     print(f"demonstrations: {len(game_files) - len(todo)} of {len(game_files)} games already "
           f"recorded; the expert plays the other {len(todo)} ({replaced} of them recorded with "
           f"another --bc-noise or a shorter step limit, replaced) at --bc-noise {noise}, "
@@ -409,19 +409,15 @@ def record_demonstrations(game_files: list[str], noise: float, max_steps: int,
     progress.close()
 
 
-def _recording(game_file: str) -> str:
-    from envs.alfworld_env import DEMONSTRATION
-
-    return os.path.join(os.path.dirname(game_file), DEMONSTRATION)
-
-
 def _record(job: tuple[str, float, int]) -> int:
     """One game of record_demonstrations, in a worker: its steps."""
+    from envs.alfworld_env import demonstration_file
+
     game_file, noise, max_steps = job
     with open(os.path.join(os.path.dirname(game_file), "traj_data.json")) as f:
         seed = json.load(f)["expert_seed"]
     played = play_expert(game_file, seed, noise, max_steps)
-    write_json(_recording(game_file), played)
+    write_json(demonstration_file(game_file), played)
     return len(played["steps"])
 
 
