@@ -222,9 +222,8 @@ def gigpo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], states:
     return [episode[i] + omega * step[i] for i in range(len(step_rewards))]
 
 
-# The oracle: the household's expert's progress (steps from a win, which no real benchmark
-# tells) as step credit, the ceiling of step credit here (docs/learning.md). The placebo: its
-# values shuffled across the batch's steps (scale and density, no information).
+# The oracle: the household expert's progress (steps from a win) as step credit, the ceiling of
+# step credit here (docs/learning.md); the placebo: its values shuffled across the batch's steps.
 ORACLES = ("oracle", "oracle-step", "placebo")
 
 
@@ -418,8 +417,9 @@ class Args(HarnessArgs):
     eval_top_p: float = 1.0  # nucleus sampling of evaluation (1: off; training never truncates)
     save_every: int = 2  # iterations between checkpoints (the last iteration is always saved)
 
-PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
+PRESETS = {  # on top of the defaults above (tiny, tiny-weak): a tiny model's own, else "real"
     "tiny-scratch": dict(bc_epochs=3),
+    "tiny-alfworld": dict(max_episode_steps=50, eval_splits=("valid_unseen",), eval_num_tasks=0),
     "real": dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50, learning_rate=1e-5,
                  micro_batch_size=8, gradient_checkpointing=True, max_new_tokens=512,
                  history_length=2, reasoning=True, bc_epochs=0, bc_full_params=False,

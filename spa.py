@@ -677,8 +677,9 @@ class Args(HarnessArgs):
     save_every: int = 2  # iterations between checkpoints (the last iteration is always saved)
 
 
-PRESETS = {  # on top of the defaults above (tiny, tiny-weak): tiny-scratch's, every other model's
+PRESETS = {  # on top of the defaults above (tiny, tiny-weak): a tiny model's own, else "real"
     "tiny-scratch": dict(bc_epochs=3),
+    "tiny-alfworld": dict(max_episode_steps=50, eval_splits=("valid_unseen",), eval_num_tasks=0),
     "real": dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50, learning_rate=1e-5,
                  micro_batch_size=8, gradient_checkpointing=True, max_new_tokens=512,
                  history_length=2, reasoning=True, bc_epochs=3, bc_full_params=False,

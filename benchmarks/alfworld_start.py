@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.metadata
 import os
 import subprocess
 import sys
@@ -62,14 +61,6 @@ def paired(chosen: list, candidate: list) -> tuple[float, float]:
     return mean_and_se(differences)
 
 
-def game_set() -> dict:
-    """What names the game set a candidate ran on: its folder, train and valid_seen sizes."""
-    return {"alfworld_data": alfworld_env.data_root(),
-            "train_games": len(alfworld_env.game_files("train")),
-            f"{SPLIT}_games": len(alfworld_env.game_files(SPLIT)),
-            "alfworld": importlib.metadata.version("alfworld")}
-
-
 def run_candidate(name: str, runs_dir: str, records_dir: str) -> dict | None:
     """The candidate's record: read, or made from its finished run, or run now and recorded.
     None when another process is running it."""
@@ -107,7 +98,8 @@ def run_candidate(name: str, runs_dir: str, records_dir: str) -> dict | None:
         config = read_json(os.path.join(run_path, "config.json"), "delete the run directory")
         record = {"name": name, "flags": CANDIDATES[name], "start_flags": START_FLAGS,
                   "command": config["command"], "commit": config.get("commit", "not recorded"),
-                  "minutes": summary["minutes"], "game_set": game_set(),
+                  "minutes": summary["minutes"],
+                  "game_set": alfworld_env.game_set(("train", SPLIT)),
                   "behavior_cloning": {tag: training_curve(run_path, tag)[-1] for tag in
                                        ("bc/loss", "bc/steps", "bc/seconds", "bc/demo_success")},
                   "evaluation": summary["evaluations"]["0"], "run": run_path}

@@ -23,6 +23,7 @@ Choose hyperparameters with --split valid; the test split is for the final table
     python benchmarks/learning.py --script spa.py                   # SPA and its PPO baseline
     python benchmarks/learning.py --estimators proxmo --split valid -- --learning-rate 1e-3
     python benchmarks/learning.py --estimators oracle grpo --iterations 60 --eval-every 20
+    python benchmarks/learning.py --env alfworld --estimators grpo --seeds 1 2 3  # $ALFWORLD_DATA
 """
 
 from __future__ import annotations
@@ -43,10 +44,16 @@ sys.path.insert(0, ROOT)
 import envs  # noqa: E402
 from common import write_json  # noqa: E402
 from common.run import try_lock  # noqa: E402
+from envs import alfworld_env  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "learning")  # the committed records
 # The protocol's training budget on top of the script's tiny defaults, fixed beforehand so that a
 # run takes about 12 minutes on 2 cores; the hyperparameters themselves were not tuned.
 PROTOCOL_FLAGS = ["--iterations", "20", "--tasks-per-iteration", "8"]
+# On ALFWorld (--env alfworld), the same on top of the shipped tiny-alfworld and its preset (50
+# steps, every game of the split): as many iterations as fit a run in 30 minutes on 2 idle cores.
+ENV_FLAGS = {"household": [], "alfworld": ["--env", "alfworld"]}
+ITERATIONS = {"household": 20, "alfworld": 10}
+SPLITS = {"household": ("valid", "test"), "alfworld": ("valid_seen", "valid_unseen")}
 # A script's additions to the protocol: the regime chosen on the valid split (docs/spa.md: SPA
 # online with grounding as a cost gained more than on its exploration rollouts, the released
 # code's regime and spa.py's default).
@@ -179,11 +186,14 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
         seconds = os.path.getmtime(summary_file) - os.path.getmtime(os.path.join(run_path,
                                                                                   "config.json"))
         minutes = seconds / 60
-    return {"script": script, "estimator": estimator, "seed": seed, "split": split,
-            "eval_num_tasks": eval_num_tasks, "flags": flags, "command": config["command"],
-            **{key: config.get(key, "not recorded") for key in ("commit", "torch", "threads")},
-            "minutes": minutes, "evaluations": summary["evaluations"],
-            "train_success": training_curve(run_path)}
+    record = {"script": script, "estimator": estimator, "seed": seed, "split": split,
+              "eval_num_tasks": eval_num_tasks, "flags": flags, "command": config["command"],
+              **{key: config.get(key, "not recorded") for key in ("commit", "torch", "threads")},
+              "minutes": minutes, "evaluations": summary["evaluations"],
+              "train_success": training_curve(run_path)}
+    if ran.get("env") == "alfworld":  # the generated games' seed and the engine's version
+        record["game_set"] = alfworld_env.game_set(("train", split))
+    return record
 
 
 # Settings that depend on the machine or on a resume, or change no number of a run, not on the
@@ -511,23 +521,28 @@ def main(argv: list[str]) -> str:
                                             ". Runs already recorded under --results, or "
                                             "finished under --runs, are read, not run again.")
     parser.add_argument("--script", default="proxmo.py", help="method script (default proxmo.py)")
+    parser.add_argument("--env", default="household", choices=list(SPLITS),
+                        help="environment (default household; alfworld reads $ALFWORLD_DATA)")
     parser.add_argument("--estimators", nargs="+", default=None,
                         help="values of the script's --advantage (default: the script's method "
                              "and baselines, " + "; ".join(f"{k}: {' '.join(v)}"
                                                            for k, v in ESTIMATORS.items()) + ")")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6],
                         help="training seeds (default 1-6: a claim needs 6)")
-    parser.add_argument("--split", default="test", choices=["valid", "test"],
-                        help="evaluation split, every task of it (default test; tune on valid)")
+    parser.add_argument("--split", default=None, choices=[s for v in SPLITS.values() for s in v],
+                        help="evaluation split, every task of it (default test, on alfworld "
+                             "valid_unseen; tune on valid, valid_seen)")
     parser.add_argument("--eval-num-tasks", type=int, default=0,
                         help="first tasks of --split to evaluate (default 0 = all: the protocol)")
-    parser.add_argument("--iterations", type=int, default=20,
-                        help="training iterations of every run (default 20: the protocol's)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="training iterations of every run (default the protocol's: 20, "
+                             "on alfworld 10)")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="evaluate every this many iterations too (default: at the end only)")
     parser.add_argument("--results", default=None,
                         help="records, table.md and learning.png (default benchmarks/results/"
-                             "learning/<split>/<script>, with the extra flags in the name)")
+                             "learning/[alfworld/]<split>/<script>, with the extra flags in the "
+                             "name)")
     parser.add_argument("--runs", default=os.path.join("runs", "learning"),
                         help="where the run directories and their logs go (default "
                              "runs/learning)")
@@ -543,7 +558,13 @@ def main(argv: list[str]) -> str:
         if args.script not in ESTIMATORS:
             parser.error(f"--script {args.script}: name its --advantage values with --estimators")
         args.estimators = ESTIMATORS[args.script]
-    split_size = len(envs.list_tasks("household", args.split))
+    args.split = args.split or SPLITS[args.env][-1]
+    if args.split not in SPLITS[args.env]:
+        parser.error(f"--split {args.split} is not a split of {args.env}: "
+                     f"{', '.join(SPLITS[args.env])}")
+    if args.iterations is None:
+        args.iterations = ITERATIONS[args.env]
+    split_size = len(envs.list_tasks(args.env, args.split))
     if not 0 <= args.eval_num_tasks <= split_size:
         parser.error(f"--eval-num-tasks must be in [0, {split_size}] (0 = all {split_size} "
                      f"{args.split} tasks)")
@@ -553,17 +574,19 @@ def main(argv: list[str]) -> str:
         parser.error(f"--eval-every must be in [1, --iterations {args.iterations}]")
     if "--eval-every" in extra:
         parser.error("--eval-every is learning.py's own flag: give it before --")
-    protocol = ["--iterations", str(args.iterations), *PROTOCOL_FLAGS[2:]]
+    protocol = ["--iterations", str(args.iterations), *PROTOCOL_FLAGS[2:], *ENV_FLAGS[args.env]]
+    results_root = RESULTS if args.env == "household" else os.path.join(RESULTS, args.env)
 
     def places(script: str) -> tuple[list[str], str, str]:
         """A script's protocol flags, records directory and runs directory."""
-        named = ([f"iterations{args.iterations}"] if protocol != PROTOCOL_FLAGS else []) + extra
+        named = ([f"iterations{args.iterations}"] if args.iterations != ITERATIONS[args.env]
+                 else []) + extra
         named += [f"eval{args.eval_num_tasks}"] if args.eval_num_tasks else []
         where = os.path.join(args.split, script)
         if named:  # runs with other flags are other runs
             where = os.path.join(where, "-".join(re.sub(r"[^\w.=-]+", "", e.lstrip("-"))
                                                  for e in named))
-        records = args.results or os.path.join(RESULTS, where)
+        records = args.results or os.path.join(results_root, where)
         return (protocol + SCRIPT_FLAGS.get(script, []) + extra, records,
                 os.path.abspath(os.path.join(args.runs, where)))
 
@@ -573,7 +596,7 @@ def main(argv: list[str]) -> str:
         parser.error("\n".join(errors))
     # The arms of a seed share one start evaluation, kept beside the records.
     starts = os.path.abspath(os.path.join(args.results, "starts") if args.results
-                             else os.path.join(RESULTS, args.split, "starts"))
+                             else os.path.join(results_root, args.split, "starts"))
     scripts = {}
     for estimator in args.estimators:
         scripts[estimator] = args.script

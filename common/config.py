@@ -47,16 +47,17 @@ class HarnessArgs:
 def preset_args(Args, presets: dict, model: str = "tiny", env: str = "household",
                 advantage: str | None = None):
     """The defaults for `model`, `env` and `advantage` (None: the method's own): the dataclass's
-    (the tiny models'; the env's eval splits and workers, this machine's device), then
-    presets["tiny-scratch"] or, for a model not tiny, presets["real"], then for another
-    --advantage presets["tiny baseline"] or presets["real baseline"], if any."""
+    (the tiny models'; the env's eval splits and workers, this machine's device), then a tiny
+    model's own presets[model] (tiny-scratch, tiny-alfworld) or, for a model not tiny,
+    presets["real"], then for another --advantage presets["tiny baseline"] or
+    presets["real baseline"], if any."""
     import torch
 
     args = Args(model=model, env=env, eval_splits=envs.EVAL_SPLITS.get(env, ()),
                 device="cuda" if torch.cuda.is_available() else "cpu",
                 env_workers=envs.default_env_workers(env))
-    if model == "tiny-scratch":
-        args = replace(args, **presets["tiny-scratch"])
+    if model in TINY_NAMES and model in presets:
+        args = replace(args, **presets[model])
     elif model not in TINY_NAMES:
         args = replace(args, **presets["real"])
     size = "tiny" if model in TINY_NAMES else "real"

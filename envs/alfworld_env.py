@@ -76,6 +76,25 @@ def game_files(split: str, root: str | None = None) -> list[str]:
     return files
 
 
+def game_set(splits: tuple[str, ...]) -> dict:
+    """What names the game set a run plays, for its record: the folder, the games of each split,
+    the seeds of generated games (their trial_T<seed>_<n> folders; none for the download) and the
+    alfworld version."""
+    import importlib.metadata
+
+    seeds = set()
+    record = {"alfworld_data": data_root()}
+    for split in splits:
+        files = game_files(split)
+        record[f"{split}_games"] = len(files)
+        for path in files:
+            trial = os.path.basename(os.path.dirname(path))
+            match = re.fullmatch(r"trial_T(\d+)_\d{5}", trial)
+            if match:
+                seeds.add(int(match.group(1)))
+    return {**record, "seeds": sorted(seeds), "alfworld": importlib.metadata.version("alfworld")}
+
+
 def vocabulary() -> list[str]:
     """Every word an ALFWorld game can print or accept, for the word-level tiny tokenizer: the
     grammar's texts and command templates, the goal sentences' templates and the names of all

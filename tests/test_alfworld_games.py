@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -432,6 +433,35 @@ def test_a_start_candidate_runs_once_and_is_recorded(data_root, tmp_path, monkey
     assert "  t: recorded" in capsys.readouterr().out
 
 
+def test_the_learning_protocol_runs_on_alfworld(data_root, tmp_path):
+    """benchmarks/learning.py --env alfworld at a tiny size: the run takes the env's flags, its
+    record names the game set (the generator's seed, the split's size, the alfworld version);
+    a household split is refused."""
+    import importlib.metadata
+
+    command = [sys.executable, "benchmarks/learning.py", "--env", "alfworld", "--estimators",
+               "grpo", "--seeds", "1", "--results", str(tmp_path / "records"), "--runs",
+               str(tmp_path / "runs"), "--", "--iterations", "1", "--tasks-per-iteration", "1",
+               "--group-size", "2", "--max-episode-steps", "4", "--env-workers", "0"]
+    env = dict(os.environ, ALFWORLD_DATA=data_root, HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    with open(tmp_path / "records" / "grpo-seed1.json") as f:
+        record = json.load(f)
+    assert record["split"] == "valid_unseen" and record["flags"][:6] == [
+        "--iterations", "10", "--tasks-per-iteration", "8", "--env", "alfworld"]
+    assert record["game_set"] == {"alfworld_data": data_root, "train_games": 6,
+                                  "valid_unseen_games": 2, "seeds": [SEED],
+                                  "alfworld": importlib.metadata.version("alfworld")}
+    assert len(record["evaluations"]["0"]["eval_valid_unseen/outcomes"]) == 2
+    assert re.search(r"^\| proxmo\.py \| grpo \| 1 \|", result.stdout, re.MULTILINE)
+    refused = subprocess.run([*command[:2], "--env", "alfworld", "--split", "test"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert "--split test is not a split of alfworld: valid_seen, valid_unseen" in refused.stderr
+
+
 def play_tiny_alfworld(root: str):
     """--model tiny-alfworld's greedy games of every game under root (train, then valid_unseen):
     (the games as recorded: game, won, executed actions; the trajectories; the model)."""
@@ -441,7 +471,8 @@ def play_tiny_alfworld(root: str):
     from proxmo import Policy, preset_args, rollout
 
     model, tokenizer = load_model_and_tokenizer("tiny-alfworld")
-    args = replace(preset_args("tiny-alfworld", "alfworld"), env_workers=0)
+    # At most 30 steps: the recording's limit (the preset's 50 would lengthen its lost games).
+    args = replace(preset_args("tiny-alfworld", "alfworld"), env_workers=0, max_episode_steps=30)
     files = games(root, "train") + games(root, "valid_unseen")
     trajs = rollout(args, tokenizer, Policy(args, model, tokenizer), files,
                     list(range(len(files))), temperature=0.0)

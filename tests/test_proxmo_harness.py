@@ -177,10 +177,12 @@ def test_presets_follow_the_model():
     assert asdict(weak) == {**asdict(tiny), "model": "tiny-weak"}
     errors = validate_args(parse_args(["--env", "alfworld", "--model", "tiny-weak"]))
     assert any(e.startswith("--model tiny-weak knows only the household") for e in errors)
-    # each environment's own shipped start without --model; it plays only its own environment
+    # each environment's own shipped start without --model, with its preset (ALFWorld's 50 steps,
+    # every valid_unseen game); it plays only its own environment
     alfworld = parse_args(["--env", "alfworld"])
     assert asdict(alfworld) == {**asdict(parse_args(["--env", "alfworld", "--model", "tiny"])),
-                                "model": "tiny-alfworld"}
+                                "model": "tiny-alfworld", "max_episode_steps": 50,
+                                "eval_splits": ("valid_unseen",), "eval_num_tasks": 0}
     errors = validate_args(parse_args(["--model", "tiny-alfworld"]))
     assert any(e.startswith("--model tiny-alfworld knows only the alfworld's words; for --env "
                             "household use --model tiny") for e in errors)
