@@ -53,7 +53,6 @@ from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           next_token_losses, pad_rows, response_logprobs, scored_logprobs)
 from common.progress import Progress
 from common.run import Run, check_finite, rollout_stats, start_run, timer, timings
-from envs.household import label_progress
 from envs.text import encode_prompt, expert_response, is_well_formed, parse_action
 
 
@@ -190,7 +189,7 @@ def proxmo_batch_advantages(outcomes: list[float], step_rewards: list[Tensor],
     return out
 
 
-# ---- 2. Baselines ProxMO reduces to: GRPO and GiGPO; the household's oracle ---------------------
+# ---- 2. Baselines ProxMO reduces to: GRPO and GiGPO; the oracle ---------------------------------
 def grpo_advantages(outcomes: Tensor, eps: float = 1e-6, use_std: bool = True) -> Tensor:
     """(N,) -> (N,) GRPO episode advantage (Eq. 5); the same value is used for every step."""
     return group_zscore(outcomes, eps, use_std)
@@ -222,16 +221,16 @@ def gigpo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], states:
     return [episode[i] + omega * step[i] for i in range(len(step_rewards))]
 
 
-# The oracle: the household expert's progress (steps from a win) as step credit, the ceiling of
-# step credit here (docs/learning.md); the placebo: its values shuffled across the batch's steps.
+# The oracle: the env's progress (distance to a win: the household's expert, ALFWorld's planner)
+# as step credit, the ceiling of step credit (docs/learning.md); the placebo shuffles its values.
 ORACLES = ("oracle", "oracle-step", "placebo")
 
 
 def oracle_step_advantages(progress: list[Tensor], eps: float = 1e-6) -> list[Tensor]:
     """progress[i] (T_i,) of every trajectory of a batch -> (T_i,) per trajectory: the progress
     z-scored over all the batch's steps (group_zscore: population std; all equal -> zeros). A
-    step's progress: +1 for an expert step, 0 for a detour, < 0 for a step to undo; centred, a
-    step without progress costs while the batch's mean progress is above 0 (on the household)."""
+    step's progress: +1 (or more) for a step closer to a win, 0 for a detour, < 0 for a step to
+    undo; centred, a step without progress costs while the batch's mean progress is above 0."""
     flat = torch.cat([p.to(torch.float64) for p in progress])
     return list(torch.split(group_zscore(flat, eps), [len(p) for p in progress]))
 
@@ -250,7 +249,8 @@ def label_oracle_progress(args: Args, trajectories: list[dict], tasks: list) -> 
     for traj, task in zip(trajectories, tasks):
         actions = [s["action"] for s in traj["steps"]]
         seen = [s["next_state"] for s in traj["steps"]]
-        traj["progress"], _ = label_progress(task, actions, seen, args.max_episode_steps)
+        traj["progress"], _ = envs.label_progress(args.env, task, actions, seen,
+                                                 args.max_episode_steps)
 
 
 def summarize(traj: dict) -> dict:
@@ -361,9 +361,9 @@ class Args(HarnessArgs):
     # rollout generation: transformers generate, its continuous batching, or vLLM (GPU)
     backend: Literal["hf", "hf-cb", "vllm"] = "hf"
 
-    # Advantage estimator: proxmo (Eqs. 5-12), the baselines grpo and gigpo, or the household's
-    # oracle (section 2): GRPO + omega * the expert's progress per step; oracle-step: progress
-    # only; placebo: the oracle's values shuffled across the batch's steps
+    # Advantage estimator: proxmo (Eqs. 5-12), the baselines grpo and gigpo, or the oracle
+    # (section 2): GRPO + omega * the env's progress per step; oracle-step: progress only;
+    # placebo: the oracle's values shuffled across the batch's steps
     advantage: Literal["proxmo", "grpo", "gigpo", "oracle", "oracle-step", "placebo"] = "proxmo"
     psc_alpha: float = 4.0  # alpha, steepness of the success-rate modulation (Eq. 6)
     psc_beta: float = 0.1  # beta, strength of that modulation (Eq. 6); 0: GRPO's episode term
@@ -694,11 +694,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
 
 def validate_args(args: Args) -> list[str]:
     """One line per nonsensical value; [] when all are usable (common/config.py)."""
-    errors = config.errors(args, RANGES)
-    if args.advantage in ORACLES and args.env != "household":
-        errors.append(f"--advantage {args.advantage} needs the household's expert; --env "
-                      f"{args.env} has no oracle")
-    return errors
+    return config.errors(args, RANGES)
 
 
 def preset_args(model: str = "tiny", env: str = "household", advantage: str | None = None) -> Args:
@@ -759,7 +755,7 @@ def main(args: Args) -> dict:
         # (4) advantages, one scalar per step, computed over the whole batch (ProxMO fits its
         # TF-IDF on every anchor text of the batch); each process keeps those of its trajectories.
         with timer("advantages"):
-            if args.advantage in ORACLES:  # the household's expert labels every step
+            if args.advantage in ORACLES:  # the env's oracle labels every step
                 label_oracle_progress(args, trajs, tasks)
             # batch: every process's trajectories (one process: these); the slice mine: these
             batch, mine = whole_batch([summarize(t) for t in trajs])

@@ -24,7 +24,7 @@ stall, the probability that the policy gives the expert's action.
 
 Each figure comes with a bootstrap standard error over tasks. The oracle is a heuristic
 searching expert, not an optimal planner: steps_to_go is a consistent distance, not the true one.
-ALFWorld has no such oracle here.
+ALFWorld's oracle (its planner's distance) is not in this benchmark yet.
 
     python benchmarks/credit.py                                  # 32 tasks x 8, every estimator
     python benchmarks/credit.py --estimators grpo gigpo proxmo --num-tasks 8
@@ -63,7 +63,7 @@ import sspo  # noqa: E402
 from common.model import (TINY_STARTS, add_lora, load_model_and_tokenizer,  # noqa: E402
                           response_logprobs)
 from common.run import CODE_VERSION  # noqa: E402
-from envs.household import HouseholdEnv, generate_task, label_progress  # noqa: E402
+from envs.household import HouseholdEnv, generate_task  # noqa: E402
 from envs.text import expert_response  # noqa: E402
 
 
@@ -222,9 +222,9 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
     trajs = proxmo.rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
     progress, by_state = [], defaultdict(list)
     for i, (task, traj) in enumerate(zip(tasks, trajs)):
-        p, states = label_progress(task, [s["action"] for s in traj["steps"]],
-                                   [s["next_state"] for s in traj["steps"]],
-                                   args.max_episode_steps)
+        p, states = envs.label_progress("household", task, [s["action"] for s in traj["steps"]],
+                                        [s["next_state"] for s in traj["steps"]],
+                                        args.max_episode_steps)
         progress.append(p)
         for t, state in enumerate(states):
             by_state[groups[i], state].append((i, t))

@@ -75,8 +75,35 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers
     return alfworld_env.AlfworldEnv(task, max_steps=max_steps, expert=expert, seed=seed)
 
 
-
 _POOLS: dict = {}  # worker count -> WorkerPool, kept for the run
+
+
+def label_progress(env_name: str, task, actions: list[str], next_states: list[str],
+                   max_steps: int) -> tuple[list[int], list[str]]:
+    """The oracle's labels of a trajectory: its commands replayed in a fresh game of `task`,
+    (progress per step, the true state before each step). A step's progress is the distance to
+    a win before it minus after it (the household's: its expert's steps, household.steps_to_go;
+    ALFWorld's: the engine's planner's plan, alfworld_env.steps_to_go). It telescopes, so a
+    loop or a detour earns 0 in all. The replay must see the observations the rollout saw (a
+    RuntimeError otherwise)."""
+    _check(env_name)
+    if env_name == "household":
+        module, game = household, household.HouseholdEnv(household.generate_task(task),
+                                                         max_steps=max_steps)
+    else:
+        module, game = alfworld_env, alfworld_env.AlfworldEnv(task, max_steps, plans=True)
+    game.reset()
+    before, progress, states = module.steps_to_go(game), [], []
+    for action, seen in zip(actions, next_states):
+        states.append(module.true_state(game))
+        obs, _, _, _ = game.step(action)
+        if obs != seen:
+            raise RuntimeError(f"task {task}: the replay of {action!r} saw {obs!r}, the rollout "
+                               f"{seen!r}")
+        after = module.steps_to_go(game)
+        progress.append(before - after)
+        before = after
+    return progress, states
 
 
 def default_env_workers(env_name: str) -> int:

@@ -24,6 +24,7 @@ import os
 import random
 import re
 import sys
+import weakref
 
 from common import UsageError
 from envs.base import begin_step, normalise
@@ -204,11 +205,19 @@ def memoize_engine() -> None:
 
     Each call gets a deep copy of the cached result, because the engine writes into what it is
     given. The observations and admissible commands are unchanged (tested against TextWorld
-    unpatched)."""
+    unpatched).
+
+    - Libraries: every game loads its own copy of Fast Downward's library (its state lives in
+      the library's globals), and a loaded library is never unloaded: about 4 MB a game, for
+      good (a worker of a 10-iteration ALFWorld run made ~440 games). A game's copy goes back to
+      a free list when the game is gone (AlfworldEnv), and fast_downward.load_lib takes from it
+      first: a process holds as many copies as it ever had games alive at once."""
     import fast_downward
     from textworld import logic
     from textworld.envs.pddl import textgen
 
+    if not getattr(fast_downward.load_lib, "pooled", False):
+        fast_downward.load_lib = _pooled(fast_downward.load_lib)
     fast_downward.pddl2sas = _memoized(fast_downward.pddl2sas, kept=TRANSLATIONS_KEPT)
     textgen._parse_and_convert = _memoized(textgen._parse_and_convert)
     logic._parse_and_convert = _memoized(logic._parse_and_convert)
@@ -236,6 +245,17 @@ def _memoized(function, kept: int | None = None):
 
 
 TRANSLATIONS_KEPT = 64  # translations memoize_engine keeps (a problem has two: plain, optimized)
+_FREE_LIBRARIES: list = []  # loaded copies of Fast Downward whose game is gone (memoize_engine)
+
+
+def _pooled(load_lib):
+    """fast_downward.load_lib taking a free copy first (each game's PddlState loads its problem
+    into the copy anew)."""
+    def load():
+        return _FREE_LIBRARIES.pop() if _FREE_LIBRARIES else load_lib()
+
+    load.pooled = True
+    return load
 
 
 def _keeping_argv(call, *args):
@@ -250,10 +270,10 @@ def _keeping_argv(call, *args):
 
 class AlfworldEnv:
     """One ALFWorld game. reset() -> first observation; step(command) -> (obs, reward, done, info).
-    expert_action() needs expert=True."""
+    expert_action() needs expert=True, steps_to_go(game) plans=True."""
 
     def __init__(self, game_file: str, max_steps: int = 50, expert: bool = False,
-                 seed: int | None = None):
+                 seed: int | None = None, plans: bool = False):
         try:
             import textworld
             from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
@@ -263,10 +283,13 @@ class AlfworldEnv:
         memoize_engine()
         self.game_file, self.max_steps, self.expert = game_file, max_steps, expert
         self.task_type = task_type_of(game_file)
+        # plans: the engine's planner plans from every state (steps_to_go, the oracle's distance)
         infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=expert,
-                                   extras=["gamefile"])
+                                   policy_commands=plans, extras=["gamefile"])
         self._env = _keeping_argv(textworld.start, game_file, infos,
                                   [AlfredDemangler(), AlfredInfos])
+        # This game's copy of Fast Downward serves a later game once this one is gone.
+        weakref.finalize(self, _FREE_LIBRARIES.append, self._env.unwrapped.downward_lib)
         self._state = None
         self._played: list[str] = []
         self._expert_agent = None
@@ -354,3 +377,21 @@ class AlfworldEnv:
             self._update_expert(command)
         info = {"won": self.won, "valid": valid}
         return self._state.feedback.strip(), float(self.won), done, info
+
+
+def steps_to_go(game: AlfworldEnv, cap: int = 60) -> int:
+    """The oracle's distance (a game made with plans=True): the length of the plan from the
+    game's current state to a win that the engine's planner (Fast Downward on the game's PDDL,
+    TextWorld's policy_commands) made after the last step; 0 for a game already won, `cap` when
+    it finds none. A function of the state alone: the planner knows where everything is, so a
+    step that only searches earns nothing, unlike the household's expert, which searches."""
+    if game.won:
+        return 0
+    plan = game._state["policy_commands"]
+    return min(len(plan), cap) if plan else cap
+
+
+def true_state(game: AlfworldEnv) -> str:
+    """The game's true state as text: the PDDL facts that hold, sorted (the engine also keeps
+    the negations a step asserted, e.g. not_atlocation of every place the agent has left)."""
+    return repr(sorted(str(fact) for fact in game._state["_facts"] if not fact.is_negation))

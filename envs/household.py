@@ -519,27 +519,6 @@ def true_state(game: HouseholdEnv) -> str:
                  for name, value in sorted(snapshot.items())])
 
 
-def label_progress(task: int, actions: list[str], next_states: list[str],
-                   max_steps: int) -> tuple[list[int], list[str]]:
-    """Replay a trajectory's commands in a fresh game of `task`: (progress per step, the true
-    state before each step). A step's progress is steps_to_go before it minus after it: it
-    telescopes, so a loop or a detour earns 0 in all. The replay must see the observations the
-    rollout saw (a RuntimeError otherwise)."""
-    game = HouseholdEnv(generate_task(task), max_steps=max_steps)
-    game.reset()
-    before, progress, states = steps_to_go(game), [], []
-    for action, seen in zip(actions, next_states):
-        states.append(true_state(game))
-        obs, _, _, _ = game.step(action)
-        if obs != seen:
-            raise RuntimeError(f"task {task}: the replay of {action!r} saw {obs!r}, the rollout "
-                               f"{seen!r}")
-        after = steps_to_go(game)
-        progress.append(before - after)
-        before = after
-    return progress, states
-
-
 # ---- task sets ----------------------------------------------------------------------------------
 SPLITS = ("train", "valid", "test")
 _FINGERPRINTS: dict[str, set] = {}

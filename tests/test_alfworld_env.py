@@ -1,9 +1,11 @@
 """The ALFWorld wrapper. The missing-data path is always tested; tests that need games skip with a
 reason when $ALFWORLD_DATA holds none (fetch them with `alfworld-download`)."""
 
+import gc
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -119,6 +121,7 @@ def test_restore_replays_the_commands_from_a_reset(monkeypatch):
 
     class FakeEngine:
         resets = 0
+        unwrapped = types.SimpleNamespace(downward_lib="a copy of Fast Downward")
 
         def reset(self):
             FakeEngine.resets += 1
@@ -148,6 +151,9 @@ def test_restore_replays_the_commands_from_a_reset(monkeypatch):
     assert game.steps == 1 and FakeEngine.resets == 2 and game.admissible_actions() == ["a", "b"]
     obs, reward, done, info = game.step("b")
     assert (obs, reward, done, info["won"]) == ("after a,b", 1.0, True, True)
+    del game  # its (stand-in) library goes to the free list: take it out again
+    gc.collect()
+    alfworld_env._FREE_LIBRARIES.remove("a copy of Fast Downward")
 
 
 def test_the_household_path_imports_no_alfworld_dependency():

@@ -433,21 +433,80 @@ def test_a_start_candidate_runs_once_and_is_recorded(data_root, tmp_path, monkey
     assert "  t: recorded" in capsys.readouterr().out
 
 
+def test_a_gone_games_engine_library_serves_a_later_game(data_root):
+    """Each game loads a copy of Fast Downward's library, which is never unloaded: a game that
+    is gone leaves its copy to a later game (TatSu's parser keeps the last game it parsed
+    alive until the next parse), which plays exactly as with a fresh copy."""
+    import gc
+
+    game_file = games(data_root, "train")[0]
+
+    def play():
+        game = alfworld_env.AlfworldEnv(game_file, max_steps=50, plans=True)
+        texts = [game.reset()]
+        with open(game_file) as f:
+            for command in json.load(f)["walkthrough"]:
+                texts += [game.step(command)[0], *game.admissible_actions()]
+        return id(game._env.unwrapped.downward_lib), texts, alfworld_env.steps_to_go(game)
+
+    played = []
+    for _ in range(4):
+        played.append(play())
+        gc.collect()
+    assert len({library for library, _, _ in played}) < 4  # a copy served again
+    assert all(p[1:] == played[0][1:] for p in played) and played[0][2] == 0
+
+
+def test_the_alfworld_oracle_is_the_planners_distance(data_root):
+    """envs.label_progress on ALFWorld: a step's progress is the planner's plan length before it
+    minus after it. The planner knows where everything is and goes anywhere in one step, so
+    only a step of its plan earns: going where the object is, taking it, going to the target,
+    opening it when it is closed, putting the object in (+1 each); a look or a visit elsewhere
+    earns 0, and closing the target again undoes its opening (-1)."""
+    import envs
+
+    def labels(task_type: str):
+        (game_file,) = [f for f in games(data_root, "train") if task_type in f]
+        with open(game_file) as f:
+            commands = ["look", *json.load(f)["walkthrough"]]
+        game = alfworld_env.AlfworldEnv(game_file, max_steps=50, plans=True)
+        game.reset()
+        first = alfworld_env.steps_to_go(game)
+        seen = [game.step(c)[0] for c in commands]
+        assert game.won and alfworld_env.steps_to_go(game) == 0
+        return (game_file, first, commands, seen,
+                *envs.label_progress("alfworld", game_file, commands, seen, 50))
+
+    game_file, first, commands, seen, progress, states = labels("pick_and_place_simple")
+    assert commands == ["look", "look", "go to sofa 1", "go to shelf 1",
+                        "take keychain 1 from shelf 1", "go to sofa 1",
+                        "move keychain 1 to sofa 1"]
+    assert first == 4 and progress == [0, 0, 0, 1, 1, 1, 1]
+    # the true state before each step: the second look changes no fact, going to the sofa does
+    assert states[1] == states[2] != states[3] and len(states) == len(commands)
+    _, first, commands, _, progress, _ = labels("pick_cool_then_place_in_recep")
+    assert commands[3:6] == ["go to microwave 1", "open microwave 1", "close microwave 1"]
+    assert first == 7 and progress[3:6] == [0, 1, -1] and sum(progress) == first
+    with pytest.raises(RuntimeError, match="the replay of"):
+        envs.label_progress("alfworld", game_file, commands, ["something else"] + seen[1:], 50)
+
+
 def test_the_learning_protocol_runs_on_alfworld(data_root, tmp_path):
-    """benchmarks/learning.py --env alfworld at a tiny size: the run takes the env's flags, its
-    record names the game set (the generator's seed, the split's size, the alfworld version);
-    a household split is refused."""
+    """benchmarks/learning.py --env alfworld at a tiny size, the oracle's run (rollouts in worker
+    processes, replayed with the planner in the trainer's): the run takes the env's flags, its
+    record names the game set (the generator's seed, the split's size, the alfworld version); a
+    household split is refused."""
     import importlib.metadata
 
     command = [sys.executable, "benchmarks/learning.py", "--env", "alfworld", "--estimators",
-               "grpo", "--seeds", "1", "--results", str(tmp_path / "records"), "--runs",
+               "oracle", "--seeds", "1", "--results", str(tmp_path / "records"), "--runs",
                str(tmp_path / "runs"), "--", "--iterations", "1", "--tasks-per-iteration", "1",
-               "--group-size", "2", "--max-episode-steps", "4", "--env-workers", "0"]
+               "--group-size", "2", "--max-episode-steps", "6", "--env-workers", "2"]
     env = dict(os.environ, ALFWORLD_DATA=data_root, HF_HUB_OFFLINE="1")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    with open(tmp_path / "records" / "grpo-seed1.json") as f:
+    with open(tmp_path / "records" / "oracle-seed1.json") as f:
         record = json.load(f)
     assert record["split"] == "valid_unseen" and record["flags"][:6] == [
         "--iterations", "10", "--tasks-per-iteration", "8", "--env", "alfworld"]
@@ -455,7 +514,7 @@ def test_the_learning_protocol_runs_on_alfworld(data_root, tmp_path):
                                   "valid_unseen_games": 2, "seeds": [SEED],
                                   "alfworld": importlib.metadata.version("alfworld")}
     assert len(record["evaluations"]["0"]["eval_valid_unseen/outcomes"]) == 2
-    assert re.search(r"^\| proxmo\.py \| grpo \| 1 \|", result.stdout, re.MULTILINE)
+    assert re.search(r"^\| proxmo\.py \| oracle \| 1 \|", result.stdout, re.MULTILINE)
     refused = subprocess.run([*command[:2], "--env", "alfworld", "--split", "test"], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2

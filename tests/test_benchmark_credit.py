@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from credit import (ESTIMATORS, FIGURES, LABELS, Batch, credit_auc,  # noqa: E402
                     figures_with_se, sign_agreement, task_counts)
-from envs.household import HouseholdEnv, generate_task, label_progress  # noqa: E402
+from envs import label_progress  # noqa: E402
+from envs.household import HouseholdEnv, generate_task  # noqa: E402
 
 
 def test_credit_auc_by_hand():
@@ -62,10 +63,10 @@ def test_a_replayed_expert_game_is_progress_one_at_every_step():
         actions.append(game.expert_action())
         obs, _, done, _ = game.step(actions[-1])
         seen.append(obs)
-    progress, states = label_progress(3, actions, seen, max_steps=50)
+    progress, states = label_progress("household", 3, actions, seen, max_steps=50)
     assert progress == [1] * len(actions) and len(set(states)) == len(actions)
     with pytest.raises(RuntimeError, match="the replay of"):
-        label_progress(3, actions, ["something else"] + seen[1:], max_steps=50)
+        label_progress("household", 3, actions, ["something else"] + seen[1:], max_steps=50)
 
 
 def test_the_benchmark_runs_at_a_tiny_size(tmp_path):

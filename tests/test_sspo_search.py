@@ -228,7 +228,7 @@ def test_the_update_and_the_loss_are_proxmos_text():
     for name in ("policy_update", "ppo_clip_loss", "k3_kl", "policy_ratio", "StepSample"):
         a, b = inspect.getsource(getattr(sspo, name)), inspect.getsource(getattr(proxmo, name))
         assert a == b.replace("(Eq. 13)", "(Eq. 4)"), name
-    # proxmo.py's summarize also carries the household oracle's progress, which 3SPO never has
+    # proxmo.py's summarize also carries the oracle's progress, which 3SPO never has
     step = {"state": "s", "valid": True, "well_formed": False, "prompt": [1], "action": "look"}
     traj = {"task_type": "pick", "group": 3, "won": True, "rewards": [0.0, 1.0],
             "steps": [step, step], "task": "put a mug in the sink"}
