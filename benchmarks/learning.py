@@ -53,7 +53,9 @@ PROTOCOL_FLAGS = ["--iterations", "20", "--tasks-per-iteration", "8"]
 # steps, every game of the split): as many iterations as fit a run in 30 minutes on 2 idle cores.
 ENV_FLAGS = {"household": [], "alfworld": ["--env", "alfworld"]}
 ITERATIONS = {"household": 20, "alfworld": 10}
-SPLITS = {"household": ("valid", "test"), "alfworld": ("valid_seen", "valid_unseen")}
+# Each env's held-out splits (household: valid, test); the default is its headline one.
+SPLITS = {env: tuple(s for s in envs.SPLITS[env] if s != envs.TRAIN_SPLIT[env])
+          for env in envs.ENV_NAMES}
 # A script's additions to the protocol: the regime chosen on the valid split (docs/spa.md: SPA
 # online with grounding as a cost gained more than on its exploration rollouts, the released
 # code's regime and spa.py's default).
@@ -558,7 +560,7 @@ def main(argv: list[str]) -> str:
         if args.script not in ESTIMATORS:
             parser.error(f"--script {args.script}: name its --advantage values with --estimators")
         args.estimators = ESTIMATORS[args.script]
-    args.split = args.split or SPLITS[args.env][-1]
+    args.split = args.split or envs.EVAL_SPLITS[args.env][0]
     if args.split not in SPLITS[args.env]:
         parser.error(f"--split {args.split} is not a split of {args.env}: "
                      f"{', '.join(SPLITS[args.env])}")

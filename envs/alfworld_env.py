@@ -216,8 +216,7 @@ def memoize_engine() -> None:
     from textworld import logic
     from textworld.envs.pddl import textgen
 
-    if not getattr(fast_downward.load_lib, "pooled", False):
-        fast_downward.load_lib = _pooled(fast_downward.load_lib)
+    fast_downward.load_lib = _pooled(fast_downward.load_lib)
     fast_downward.pddl2sas = _memoized(fast_downward.pddl2sas, kept=TRANSLATIONS_KEPT)
     textgen._parse_and_convert = _memoized(textgen._parse_and_convert)
     logic._parse_and_convert = _memoized(logic._parse_and_convert)
@@ -250,7 +249,11 @@ _FREE_LIBRARIES: list = []  # loaded copies of Fast Downward whose game is gone 
 
 def _pooled(load_lib):
     """fast_downward.load_lib taking a free copy first (each game's PddlState loads its problem
-    into the copy anew)."""
+    into the copy anew). One already pooled is returned as it is, so memoize_engine may run many
+    times."""
+    if getattr(load_lib, "pooled", False):
+        return load_lib
+
     def load():
         return _FREE_LIBRARIES.pop() if _FREE_LIBRARIES else load_lib()
 
