@@ -221,8 +221,8 @@ def gigpo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], states:
     return [episode[i] + omega * step[i] for i in range(len(step_rewards))]
 
 
-# The oracle: the env's progress (distance to a win: the household's expert, ALFWorld's planner)
-# as step credit, the ceiling of step credit (docs/learning.md); the placebo shuffles its values.
+# The oracle: the env's progress (distance to a win: the household's expert, ALFWorld's shortest
+# plan) as step credit, the ceiling of step credit (docs/learning.md); the placebo shuffles it.
 ORACLES = ("oracle", "oracle-step", "placebo")
 
 
@@ -245,12 +245,13 @@ def placebo_step_advantages(progress: list[Tensor], permutation: Tensor,
 
 
 def label_oracle_progress(args: Args, trajectories: list[dict], tasks: list) -> None:
-    """Adds "progress" (T_i ints) to each trajectory: its commands replayed in its task's game."""
-    for traj, task in zip(trajectories, tasks):
-        actions = [s["action"] for s in traj["steps"]]
-        seen = [s["next_state"] for s in traj["steps"]]
-        traj["progress"], _ = envs.label_progress(args.env, task, actions, seen,
-                                                 args.max_episode_steps)
+    """Adds "progress" (T_i ints) to each trajectory: its commands replayed in its task's game
+    (ALFWorld's replays shared among the env workers' number of processes)."""
+    jobs = [(task, [s["action"] for s in traj["steps"]], [s["next_state"] for s in traj["steps"]],
+             args.max_episode_steps) for traj, task in zip(trajectories, tasks)]
+    labelled = envs.label_batch(args.env, jobs, args.env_workers)
+    for traj, (progress, _) in zip(trajectories, labelled):
+        traj["progress"] = progress
 
 
 def summarize(traj: dict) -> dict:

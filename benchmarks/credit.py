@@ -24,7 +24,7 @@ stall, the probability that the policy gives the expert's action.
 
 Each figure comes with a bootstrap standard error over tasks. The oracle is a heuristic
 searching expert, not an optimal planner: steps_to_go is a consistent distance, not the true one.
-ALFWorld's oracle (its planner's distance) is not in this benchmark yet.
+ALFWorld's oracle (the shortest plan's length) is not in this benchmark yet.
 
     python benchmarks/credit.py                                  # 32 tasks x 8, every estimator
     python benchmarks/credit.py --estimators grpo gigpo proxmo --num-tasks 8

@@ -11,6 +11,8 @@ and the attributes task_type and task_description. Rewards are sparse: 1.0 on su
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
 import random
 
@@ -78,20 +80,28 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers
 _POOLS: dict = {}  # worker count -> WorkerPool, kept for the run
 
 
+_REPLAYED: dict = {}  # label_progress's last game: a group's trajectories share one game
+
+
 def label_progress(env_name: str, task, actions: list[str], next_states: list[str],
                    max_steps: int) -> tuple[list[int], list[str]]:
-    """The oracle's labels of a trajectory: its commands replayed in a fresh game of `task`,
-    (progress per step, the true state before each step). A step's progress is the distance to
-    a win before it minus after it (the household's: its expert's steps, household.steps_to_go;
-    ALFWorld's: the engine's planner's plan, alfworld_env.steps_to_go). It telescopes, so a
-    loop or a detour earns 0 in all. The replay must see the observations the rollout saw (a
-    RuntimeError otherwise)."""
+    """The oracle's labels of a trajectory: its commands replayed in a game of `task` from its
+    start, (progress per step, the true state before each step). A step's progress is the
+    distance to a win before it minus after it (the household's: its expert's steps,
+    household.steps_to_go; ALFWorld's: the fewest commands to a win, alfworld_env.steps_to_go).
+    It telescopes, so a loop or a detour earns 0 in all. The replay must see the observations
+    the rollout saw (a RuntimeError otherwise)."""
     _check(env_name)
-    if env_name == "household":
-        module, game = household, household.HouseholdEnv(household.generate_task(task),
-                                                         max_steps=max_steps)
-    else:
-        module, game = alfworld_env, alfworld_env.AlfworldEnv(task, max_steps, plans=True)
+    module = household if env_name == "household" else alfworld_env
+    key = (env_name, task, max_steps)
+    if key not in _REPLAYED:  # the same task again (a group) replays in the same game
+        _REPLAYED.clear()
+        if env_name == "household":
+            game = household.HouseholdEnv(household.generate_task(task), max_steps=max_steps)
+        else:
+            game = alfworld_env.AlfworldEnv(task, max_steps)
+        _REPLAYED[key] = game
+    game = _REPLAYED[key]
     game.reset()
     before, progress, states = module.steps_to_go(game), [], []
     for action, seen in zip(actions, next_states):
@@ -104,6 +114,23 @@ def label_progress(env_name: str, task, actions: list[str], next_states: list[st
         progress.append(before - after)
         before = after
     return progress, states
+
+
+def label_batch(env_name: str, jobs: list[tuple], workers: int = 0) -> list[tuple]:
+    """label_progress(env_name, *job) for every job (task, actions, next_states, max_steps), in
+    order; with workers > 1, shared among that many processes (kept for the run), each taking
+    consecutive jobs, so that a group's trajectories replay in one game."""
+    if workers <= 1:
+        return [label_progress(env_name, *job) for job in jobs]
+    if workers not in _LABELLERS:
+        _LABELLERS[workers] = multiprocessing.get_context("spawn").Pool(workers)
+        atexit.register(_LABELLERS[workers].terminate)
+    share = -(-len(jobs) // workers)  # ceil: one run of consecutive jobs per process
+    return _LABELLERS[workers].starmap(label_progress, [(env_name, *job) for job in jobs],
+                                       chunksize=max(1, share))
+
+
+_LABELLERS: dict = {}  # worker count -> the processes label_batch shares its jobs among
 
 
 def default_env_workers(env_name: str) -> int:

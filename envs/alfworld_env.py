@@ -273,10 +273,10 @@ def _keeping_argv(call, *args):
 
 class AlfworldEnv:
     """One ALFWorld game. reset() -> first observation; step(command) -> (obs, reward, done, info).
-    expert_action() needs expert=True, steps_to_go(game) plans=True."""
+    expert_action() needs expert=True."""
 
     def __init__(self, game_file: str, max_steps: int = 50, expert: bool = False,
-                 seed: int | None = None, plans: bool = False):
+                 seed: int | None = None):
         try:
             import textworld
             from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
@@ -286,14 +286,14 @@ class AlfworldEnv:
         memoize_engine()
         self.game_file, self.max_steps, self.expert = game_file, max_steps, expert
         self.task_type = task_type_of(game_file)
-        # plans: the engine's planner plans from every state (steps_to_go, the oracle's distance)
         infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=expert,
-                                   policy_commands=plans, extras=["gamefile"])
+                                   extras=["gamefile"])
         self._env = _keeping_argv(textworld.start, game_file, infos,
                                   [AlfredDemangler(), AlfredInfos])
         # This game's copy of Fast Downward serves a later game once this one is gone.
         weakref.finalize(self, _FREE_LIBRARIES.append, self._env.unwrapped.downward_lib)
         self._state = None
+        self._goal = None  # goal_types of its PDDL problem, read by steps_to_go
         self._played: list[str] = []
         self._expert_agent = None
         self._expert_plan = "look"
@@ -382,16 +382,140 @@ class AlfworldEnv:
         return self._state.feedback.strip(), float(self.won), done, info
 
 
+# The oracle's distance ------------------------------------------------------------------------
+# A change the goal asks for: (the fact it sets, the type of receptacle that does it).
+CHANGES = {"clean": ("isclean", "sinkbasintype"), "heat": ("ishot", "microwavetype"),
+           "cool": ("iscool", "fridgetype")}
+
+
+def goal_types(problem: str) -> dict:
+    """A game's PDDL goal as the types it names: "object" (e.g. "appletype"), "receptacle" (None
+    when the object is to be held), "lamp" (None unless it is to be looked at under one),
+    "change" (a key of CHANGES, or None) and "two" (two objects of the type, not one)."""
+    goal = problem[problem.find("(:goal"):].lower()
+    types = re.findall(r"objecttype \?\w+ (\w+)", goal)
+    receptacles = re.findall(r"receptacletype \?\w+ (\w+)", goal)
+    return {"object": next(t for t in types if "lamp" not in t),
+            "receptacle": receptacles[0] if receptacles else None,
+            "lamp": next((t for t in types if "lamp" in t), None),
+            "change": next((c for c, (fact, _) in CHANGES.items() if fact in goal), None),
+            "two": "?o2" in goal}
+
+
+def plan_length(facts: list[tuple[str, ...]], goal: dict, cap: int = 60) -> int:
+    """The fewest commands from a state to a win (0 if it is won), worked out from its true
+    facts (name, *arguments), e.g. ("inreceptacle", apple, fridge), and goal_types(). A command
+    goes anywhere ("go to"), opens what is closed, takes, puts, cleans / heats / cools or
+    switches a lamp on; the object in hand first goes into a receptacle that can hold it. `cap`
+    when the goal cannot be reached."""
+    at, held, fits = None, None, set()
+    place, kind, inside = {}, {}, collections.defaultdict(set)  # receptacle -> location, type
+    true_of = collections.defaultdict(set)  # fact name -> what it is true of
+    for name, *args in facts:
+        if name == "atlocation":
+            at = args[1]
+        elif name == "holds":
+            held = args[1]
+        elif name == "receptacleatlocation":
+            place[args[0]] = args[1]
+        elif name in ("receptacletype", "objecttype"):
+            kind[args[0]] = args[1]
+        elif name == "inreceptacle":
+            inside[args[0]].add(args[1])
+        elif name == "cancontain":
+            fits.add((args[0], args[1]))
+        else:  # opened, openable, isclean, ishot, iscool, istoggled, pickupable, ...
+            true_of[name].add(args[0])
+
+    def go(here, there):
+        return 0 if here == there else 1
+
+    def opening(r):
+        return 1 if r in true_of["openable"] and r not in true_of["opened"] else 0
+
+    def put_down(here, there, holding, opened_anyway=None):
+        """Commands to stand at `there` with empty hands: the object held goes into a
+        receptacle that can hold it (here, there or on the way); opening `opened_anyway`
+        is counted by the caller."""
+        if holding is None:
+            return go(here, there)
+        best = cap
+        for r, location in place.items():
+            if (kind.get(r), kind.get(holding)) in fits:
+                opens = opening(r) if r != opened_anyway else 0
+                best = min(best, go(here, location) + opens + 1 + go(location, there))
+        return best
+
+    def fetch(o, here, holding):
+        """(commands, where they end) to hold object o, from `here` holding `holding`."""
+        if holding == o:
+            return 0, here
+        best = (cap, here)
+        for r in inside[o] & place.keys():
+            steps = put_down(here, place[r], holding, r) + opening(r) + 1
+            best = min(best, (steps, place[r]))
+        return best
+
+    things = [o for o, t in kind.items()
+              if t == goal["object"] and o in true_of["pickupable"]]
+    targets = [r for r, t in kind.items() if t == goal["receptacle"]]
+    best = cap
+    if goal["lamp"] is not None:  # hold the object where a lamp that was switched on stands
+        lamps = [o for o, t in kind.items() if t == goal["lamp"]]
+        for o in things:
+            for lamp in lamps:
+                for r in inside[lamp] & place.keys():
+                    switch = 0 if lamp in true_of["istoggled"] else 1
+                    steps, here = fetch(o, at, held)
+                    fetch_first = steps + go(here, place[r]) + switch
+                    steps, here = fetch(o, place[r], held)
+                    switch_first = go(at, place[r]) + switch + steps + go(here, place[r])
+                    best = min(best, fetch_first, switch_first)
+        return best
+    if goal["two"]:  # two objects of the type in one receptacle of the type
+        for r in targets:
+            there = place[r]
+            missing = 2 - min(2, sum(r in inside[o] for o in things))
+            if missing == 0:
+                return 0
+            others = [o for o in things if r not in inside[o]]
+            for first in others:
+                steps, here = fetch(first, at, held)
+                steps += go(here, there) + opening(r) + 1
+                if missing == 1:
+                    best = min(best, steps)
+                    continue
+                for second in others:
+                    if second != first:
+                        more, here = fetch(second, there, None)
+                        best = min(best, steps + more + go(here, there) + 1)
+        return best
+    for o in things:  # one object, changed if the goal asks, into a receptacle of the type
+        steps, here = fetch(o, at, held)
+        ways = [(steps, here)]
+        if goal["change"] is not None and o not in true_of[CHANGES[goal["change"]][0]]:
+            devices = [r for r, t in kind.items() if t == CHANGES[goal["change"]][1]]
+            ways = [(steps + go(here, place[d]) + 1, place[d]) for d in devices]
+        for steps, here in ways:
+            for r in targets:
+                best = min(best, steps + go(here, place[r]) + opening(r) + 1)
+    return best
+
+
 def steps_to_go(game: AlfworldEnv, cap: int = 60) -> int:
-    """The oracle's distance (a game made with plans=True): the length of the plan from the
-    game's current state to a win that the engine's planner (Fast Downward on the game's PDDL,
-    TextWorld's policy_commands) made after the last step; 0 for a game already won, `cap` when
-    it finds none. A function of the state alone: the planner knows where everything is, so a
-    step that only searches earns nothing, unlike the household's expert, which searches."""
+    """The oracle's distance: plan_length of the game's true state and goal (0 once won). The
+    engine's planner (Fast Downward, TextWorld's policy_commands) finds plans of this length,
+    but takes up to seconds a state; this takes a millisecond. A function of the state alone:
+    it knows where everything is, so a step that only searches earns nothing, unlike the
+    household's expert, which searches."""
     if game.won:
         return 0
-    plan = game._state["policy_commands"]
-    return min(len(plan), cap) if plan else cap
+    engine = game._env.unwrapped
+    if game._goal is None:
+        game._goal = goal_types(engine._game_data["pddl_problem"])
+    facts = [(f.name, *[v.name for v in f.arguments])
+             for f in game._state["_facts"] if not f.is_negation]
+    return plan_length(facts, game._goal, cap)
 
 
 def true_state(game: AlfworldEnv) -> str:

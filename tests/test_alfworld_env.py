@@ -48,6 +48,93 @@ def test_task_type_from_game_path():
     assert set(alfworld_env.TASK_TYPES) == set(envs.TASK_TYPES)
 
 
+HEAT_GOAL = ("(:goal (and (exists (?r - receptacle) (exists (?o - object) (and (heatable ?o) "
+             "(objectType ?o AppleType) (receptacleType ?r CounterTopType) (isHot ?o) "
+             "(inReceptacle ?o ?r) ) ) ) ) ) )")
+LOOK_GOAL = ("(:goal (and (exists (?ot - object ?r - receptacle ?a - agent ?l - location) (and "
+             "(objectType ?ot DeskLampType) (toggleable ?ot) (isToggled ?ot) "
+             "(receptacleAtLocation ?r ?l) (atLocation ?a ?l) (inReceptacle ?ot ?r) ) ) "
+             "(exists (?o - object ?a - agent) (and (objectType ?o AlarmClockType) "
+             "(holds ?a ?o) ) ) ) ) )")
+
+
+def room(*extra):
+    """A kitchen's facts: the agent at l0; a closed fridge at l1 with an apple in it, a microwave
+    at l2, a countertop at l3 (which can hold apples and mugs) and a mug on it."""
+    return [("atlocation", "agent1", "l0"),
+            ("receptacleatlocation", "fridge", "l1"), ("receptacletype", "fridge", "fridgetype"),
+            ("openable", "fridge"),
+            ("receptacleatlocation", "oven", "l2"), ("receptacletype", "oven", "microwavetype"),
+            ("receptacleatlocation", "top", "l3"), ("receptacletype", "top", "countertoptype"),
+            ("cancontain", "countertoptype", "appletype"),
+            ("cancontain", "countertoptype", "mugtype"),
+            ("objecttype", "apple", "appletype"), ("pickupable", "apple"),
+            ("inreceptacle", "apple", "fridge"),
+            ("objecttype", "mug", "mugtype"), ("pickupable", "mug"),
+            ("inreceptacle", "mug", "top"),
+            *extra]
+
+
+def test_the_alfworld_distance_counts_the_fewest_commands_by_hand():
+    """alfworld_env.plan_length, worked by hand on room()'s kitchen: heat the apple and put it on
+    the countertop."""
+    goal = alfworld_env.goal_types(HEAT_GOAL)
+    assert goal == {"object": "appletype", "receptacle": "countertoptype", "lamp": None,
+                    "change": "heat", "two": False}
+    # go to the fridge, open it, take the apple, go to the microwave, heat, go to the top, put
+    assert alfworld_env.plan_length(room(), goal) == 7
+    assert alfworld_env.plan_length(room(("opened", "fridge")), goal) == 6
+    there = [f for f in room(("opened", "fridge")) if f[0] != "atlocation"]
+    assert alfworld_env.plan_length(there + [("atlocation", "agent1", "l1")], goal) == 5
+    # the apple already hot and in hand at the countertop: put it down
+    hot = [f for f in room(("ishot", "apple"), ("holds", "agent1", "apple"),
+                           ("atlocation", "agent1", "l3")) if f != ("atlocation", "agent1", "l0")]
+    assert alfworld_env.plan_length([f for f in hot if f[0] != "inreceptacle" or f[1] != "apple"],
+                                    goal) == 1
+    # the mug in hand at the open fridge, which cannot hold mugs: it goes to the countertop
+    # first (go, put), then go back, take the apple, go, heat, go, put: 8; a fridge that holds
+    # mugs takes it at once: 6
+    holding = there + [("atlocation", "agent1", "l1"), ("holds", "agent1", "mug")]
+    holding = [f for f in holding if f != ("inreceptacle", "mug", "top")]
+    assert alfworld_env.plan_length(holding, goal) == 8
+    assert alfworld_env.plan_length(holding + [("cancontain", "fridgetype", "mugtype")], goal) == 6
+    # no apple at all: the cap
+    assert alfworld_env.plan_length([f for f in room() if "apple" not in f], goal, cap=60) == 60
+
+
+def test_the_alfworld_distance_of_a_lamp_and_of_two_objects_by_hand():
+    goal = alfworld_env.goal_types(LOOK_GOAL)
+    assert goal == {"object": "alarmclocktype", "receptacle": None, "lamp": "desklamptype",
+                    "change": None, "two": False}
+    lamp = [("atlocation", "agent1", "l0"),
+            ("receptacleatlocation", "desk", "l1"), ("receptacletype", "desk", "desktype"),
+            ("receptacleatlocation", "side", "l2"), ("receptacletype", "side", "sidetabletype"),
+            ("objecttype", "clock", "alarmclocktype"), ("pickupable", "clock"),
+            ("inreceptacle", "clock", "desk"),
+            ("objecttype", "lamp", "desklamptype"), ("inreceptacle", "lamp", "side")]
+    assert alfworld_env.plan_length(lamp, goal) == 4  # go, take, go to the lamp, switch it on
+    assert alfworld_env.plan_length(lamp + [("istoggled", "lamp")], goal) == 3
+    beside = [f for f in lamp if f != ("inreceptacle", "lamp", "side")]
+    assert alfworld_env.plan_length(beside + [("inreceptacle", "lamp", "desk")], goal) == 3
+    two = {"object": "pentype", "receptacle": "shelftype", "lamp": None, "change": None,
+           "two": True}
+    pens = [("atlocation", "agent1", "l0"),
+            ("receptacleatlocation", "drawer", "l1"), ("receptacletype", "drawer", "drawertype"),
+            ("openable", "drawer"),
+            ("receptacleatlocation", "desk", "l2"), ("receptacletype", "desk", "desktype"),
+            ("receptacleatlocation", "shelf", "l3"), ("receptacletype", "shelf", "shelftype"),
+            ("objecttype", "pen1", "pentype"), ("pickupable", "pen1"),
+            ("inreceptacle", "pen1", "drawer"),
+            ("objecttype", "pen2", "pentype"), ("pickupable", "pen2"),
+            ("inreceptacle", "pen2", "desk")]
+    # pen1: go, open, take, go, put (5); pen2: go, take, go, put (4)
+    assert alfworld_env.plan_length(pens, two) == 9
+    placed = [f for f in pens if f != ("inreceptacle", "pen2", "desk")]
+    assert alfworld_env.plan_length(placed + [("inreceptacle", "pen2", "shelf")], two) == 5
+    assert alfworld_env.plan_length(placed + [("inreceptacle", "pen2", "shelf"),
+                                              ("inreceptacle", "pen1", "shelf")], two) == 0
+
+
 def test_expert_sees_move_as_put():
     assert alfworld_env.expert_view("move mug 1 to desk 2") == "put mug 1 in/on desk 2"
     assert alfworld_env.expert_view("take mug 1 from desk 2") == "take mug 1 from desk 2"

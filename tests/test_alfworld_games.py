@@ -442,7 +442,7 @@ def test_a_gone_games_engine_library_serves_a_later_game(data_root):
     game_file = games(data_root, "train")[0]
 
     def play():
-        game = alfworld_env.AlfworldEnv(game_file, max_steps=50, plans=True)
+        game = alfworld_env.AlfworldEnv(game_file, max_steps=50)
         texts = [game.reset()]
         with open(game_file) as f:
             for command in json.load(f)["walkthrough"]:
@@ -458,18 +458,40 @@ def test_a_gone_games_engine_library_serves_a_later_game(data_root):
 
 
 def test_the_alfworld_oracle_is_the_planners_distance(data_root):
-    """envs.label_progress on ALFWorld: a step's progress is the planner's plan length before it
-    minus after it. The planner knows where everything is and goes anywhere in one step, so
-    only a step of its plan earns: going where the object is, taking it, going to the target,
+    """envs.label_progress on ALFWorld: a step's progress is the fewest commands to a win before
+    it minus after it, the length of the plan the engine's own planner (Fast Downward) makes
+    from that state, in every state of every fixture game's walkthrough and of a random walk.
+    Only a step of such a plan earns: going where the object is, taking it, going to the target,
     opening it when it is closed, putting the object in (+1 each); a look or a visit elsewhere
     earns 0, and closing the target again undoes its opening (-1)."""
     import envs
+
+    rng, compared = random.Random(0), set()
+    for game_file in games(data_root, "train") + games(data_root, "valid_unseen"):
+        with open(game_file) as f:
+            walkthrough = json.load(f)["walkthrough"]
+        for walk in ("walkthrough", "random"):
+            game = alfworld_env.AlfworldEnv(game_file, max_steps=50)
+            game.reset()
+            engine = game._env.unwrapped
+            for t in range(len(walkthrough) if walk == "walkthrough" else 5):
+                state = (game_file, alfworld_env.true_state(game))
+                if state not in compared:  # the planner takes up to seconds a state
+                    compared.add(state)
+                    planned = engine._pddl_state.replan(engine._entity_infos)
+                    assert alfworld_env.steps_to_go(game) == len(planned), (game_file, t, planned)
+                command = walkthrough[t] if walk == "walkthrough" else rng.choice(
+                    game.admissible_actions())
+                game.step(command)
+                if game.won:
+                    break
+            assert game.won == (walk == "walkthrough")
 
     def labels(task_type: str):
         (game_file,) = [f for f in games(data_root, "train") if task_type in f]
         with open(game_file) as f:
             commands = ["look", *json.load(f)["walkthrough"]]
-        game = alfworld_env.AlfworldEnv(game_file, max_steps=50, plans=True)
+        game = alfworld_env.AlfworldEnv(game_file, max_steps=50)
         game.reset()
         first = alfworld_env.steps_to_go(game)
         seen = [game.step(c)[0] for c in commands]
@@ -484,11 +506,15 @@ def test_the_alfworld_oracle_is_the_planners_distance(data_root):
     assert first == 4 and progress == [0, 0, 0, 1, 1, 1, 1]
     # the true state before each step: the second look changes no fact, going to the sofa does
     assert states[1] == states[2] != states[3] and len(states) == len(commands)
-    _, first, commands, _, progress, _ = labels("pick_cool_then_place_in_recep")
+    cool_file, first, commands, cool_seen, progress, _ = labels("pick_cool_then_place_in_recep")
     assert commands[3:6] == ["go to microwave 1", "open microwave 1", "close microwave 1"]
     assert first == 7 and progress[3:6] == [0, 1, -1] and sum(progress) == first
     with pytest.raises(RuntimeError, match="the replay of"):
         envs.label_progress("alfworld", game_file, commands, ["something else"] + seen[1:], 50)
+    # shared among two processes, the same labels in the same order
+    jobs = [(cool_file, commands[:n], cool_seen[:n], 50) for n in (len(commands), 3, 5)]
+    assert envs.label_batch("alfworld", jobs, workers=2) == [
+        envs.label_progress("alfworld", *job) for job in jobs]
 
 
 def test_the_learning_protocol_runs_on_alfworld(data_root, tmp_path):
