@@ -1,4 +1,4 @@
-"""Credit accuracy against the household's oracle: does an estimator give more credit to the
+"""Credit accuracy against an environment's oracle: does an estimator give more credit to the
 steps that really moved the agent towards its goal?
 
 The household knows what real benchmarks hide: from any state its expert reaches the goal in
@@ -22,13 +22,16 @@ The summary line also screens a protocol (--max-episode-steps, --history-length,
 start's success, the share of mixed groups (what GRPO learns from), and where failed episodes
 stall, the probability that the policy gives the expert's action.
 
-Each figure comes with a bootstrap standard error over tasks. The oracle is a heuristic
-searching expert, not an optimal planner: steps_to_go is a consistent distance, not the true one.
-ALFWorld's oracle (the shortest plan's length) is not in this benchmark yet.
+Each figure comes with a bootstrap standard error over tasks. The household's oracle is a
+heuristic searching expert, not an optimal planner: steps_to_go is a consistent distance, not the
+true one. With --env alfworld the batch is played on ALFWorld's engine from `tiny-alfworld`
+(generated games, $ALFWORLD_DATA) and the oracle is the fewest commands to a win
+(envs.alfworld_env.steps_to_go), the same for every estimator.
 
     python benchmarks/credit.py                                  # 32 tasks x 8, every estimator
     python benchmarks/credit.py --estimators grpo gigpo proxmo --num-tasks 8
     python benchmarks/credit.py --estimators grpo oracle admissible --max-episode-steps 50
+    python benchmarks/credit.py --env alfworld --estimators oracle grpo gigpo proxmo --num-tasks 8
 """
 
 from __future__ import annotations
@@ -60,9 +63,11 @@ import istar  # noqa: E402
 import proxmo  # noqa: E402
 import spa  # noqa: E402
 import sspo  # noqa: E402
-from common.model import (TINY_STARTS, add_lora, load_model_and_tokenizer,  # noqa: E402
-                          response_logprobs)
+from common import UsageError  # noqa: E402
+from common.model import (DEFAULT_MODEL, TINY_ENV, TINY_STARTS, add_lora,  # noqa: E402
+                          load_model_and_tokenizer, response_logprobs)
 from common.run import CODE_VERSION  # noqa: E402
+from envs.alfworld_env import AlfworldEnv  # noqa: E402
 from envs.household import HouseholdEnv, generate_task  # noqa: E402
 from envs.text import expert_response  # noqa: E402
 
@@ -196,13 +201,14 @@ class Batch:
 
 def collect(num_tasks: int, group_size: int, seed: int, temperature: float | None = None,
             max_episode_steps: int | None = None, budget: Budget | None = None,
-            model: str = "tiny", history_length: int | None = None) -> Batch:
-    """Rollouts of the start (the shared `tiny`, or `model`: tiny-weak or a directory) on
-    `num_tasks` training tasks (drawn with `seed`) x `group_size`, as proxmo.py's first
-    iteration plays them (its tiny preset: temperature, step limit, history), each step labelled
-    with its progress."""
-    args = replace(proxmo.preset_args("tiny", "household"), seed=seed, group_size=group_size,
-                   model=model)
+            model: str | None = None, history_length: int | None = None,
+            env: str = "household") -> Batch:
+    """Rollouts of the start (the env's shared tiny start, or `model`: tiny-weak or a directory)
+    on `num_tasks` training tasks of `env` (drawn with `seed`) x `group_size`, as proxmo.py's
+    first iteration plays them (its tiny preset: temperature, step limit, history, env workers),
+    each step labelled with its progress."""
+    args = replace(proxmo.preset_args(DEFAULT_MODEL[env], env), seed=seed,
+                   group_size=group_size, model=model or DEFAULT_MODEL[env])
     if temperature is not None:
         args.rollout_temperature = temperature
     if max_episode_steps is not None:
@@ -216,15 +222,14 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
     model, tokenizer = load_model_and_tokenizer(args.model, seed=seed)
     model.requires_grad_(False)
     policy = proxmo.Policy(args, model, tokenizer)  # the harness every script shares
-    task_ids = random.Random(seed).sample(envs.list_tasks("household", "train"), num_tasks)
+    task_ids = random.Random(seed).sample(envs.list_tasks(env, "train"), num_tasks)
     tasks = [t for t in task_ids for _ in range(group_size)]
     groups = [k for k in range(num_tasks) for _ in range(group_size)]
     trajs = proxmo.rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
+    jobs = [(task, [s["action"] for s in traj["steps"]], [s["next_state"] for s in traj["steps"]],
+             args.max_episode_steps) for task, traj in zip(tasks, trajs)]
     progress, by_state = [], defaultdict(list)
-    for i, (task, traj) in enumerate(zip(tasks, trajs)):
-        p, states = envs.label_progress("household", task, [s["action"] for s in traj["steps"]],
-                                        [s["next_state"] for s in traj["steps"]],
-                                        args.max_episode_steps)
+    for i, (p, states) in enumerate(envs.label_batch(env, jobs, args.env_workers)):
         progress.append(p)
         for t, state in enumerate(states):
             by_state[groups[i], state].append((i, t))
@@ -245,7 +250,10 @@ def stall_expert_probability(batch: Batch, chunk: int = 32) -> tuple[float, floa
         if traj["won"]:
             continue
         last = max([t for t, p in enumerate(progress) if p > 0], default=-1)
-        game = HouseholdEnv(generate_task(task), max_steps=batch.args.max_episode_steps)
+        if batch.args.env == "household":
+            game = HouseholdEnv(generate_task(task), max_steps=batch.args.max_episode_steps)
+        else:  # the hand-coded expert, watching the episode (its own random stream: seed 0)
+            game = AlfworldEnv(task, batch.args.max_episode_steps, expert=True, seed=0)
         game.reset()
         for t, step in enumerate(traj["steps"]):
             expert = game.expert_action()
@@ -271,6 +279,11 @@ def stall_expert_probability(batch: Batch, chunk: int = 32) -> tuple[float, floa
 # ---- 3. The estimators: each script's own functions on the batch -------------------------------
 # Each takes the batch and returns (credit per trajectory as (T_i,) tensors, what data beyond the
 # batch it used). The credit is the per-step advantage the script's update would use.
+def preset(script, batch: Batch):
+    """The script's tiny preset for the batch's environment (its Args, from preset_args)."""
+    return script.preset_args(DEFAULT_MODEL[batch.args.env], batch.args.env)
+
+
 def proxmo_credit(batch: Batch, advantage: str) -> tuple[list[Tensor], str]:
     """GRPO, GiGPO, ProxMO or the oracle with proxmo.py's tiny preset (the oracle reads the
     batch's progress, as proxmo.py's update would)."""
@@ -282,7 +295,7 @@ def proxmo_credit(batch: Batch, advantage: str) -> tuple[list[Tensor], str]:
 
 def rloo_credit(batch: Batch) -> tuple[list[Tensor], str]:
     """RLOO, iStar's baseline, with istar.py's tiny preset (outcome --success-reward x won)."""
-    args = replace(istar.preset_args("tiny", "household"), seed=batch.args.seed,
+    args = replace(preset(istar, batch), seed=batch.args.seed,
                    advantage="rloo")
     return istar.compute_advantages(args, batch.trajs), "the batch"
 
@@ -294,14 +307,14 @@ def spa_first_iteration(batch: Batch, advantage: str,
     reference; with SPA, c_t from a PE trained as main trains it (spa.explore of the start,
     spa.train_progress_estimator) and spa.score_progress; then spa.compute_advantages (GAE,
     whitened over the batch). The PE is trained once a batch."""
-    args = replace(spa.preset_args("tiny", "household"), seed=batch.args.seed,
+    args = replace(preset(spa, batch), seed=batch.args.seed,
                    advantage=advantage, grounding_form=grounding_form)
     trajs = [{**t, "steps": [{**s, "value": 0.0, "step_kl": 0.0, "contrib": 0.0}
                              for s in t["steps"]]} for t in batch.trajs]
     data = "the batch; V = 0 (the zero-initialised critic of iteration 1)"
     if advantage == "spa":
         if "spa" not in batch.cache:
-            tasks = random.Random(args.seed + 2).sample(envs.list_tasks("household", "train"),
+            tasks = random.Random(args.seed + 2).sample(envs.list_tasks(args.env, "train"),
                                                         batch.budget.explore_tasks)
             with torch.random.fork_rng():
                 torch.manual_seed(args.seed)
@@ -332,9 +345,9 @@ def hisr_scored(batch: Batch) -> tuple[hisr.Args, list[dict], str]:
     key = "hisr"
     if key in batch.cache:
         return batch.cache[key]
-    args = replace(hisr.preset_args("tiny", "household"), seed=batch.args.seed,
+    args = replace(preset(hisr, batch), seed=batch.args.seed,
                    collect_num_tasks=batch.budget.collect_tasks)
-    train_tasks = envs.list_tasks("household", "train")
+    train_tasks = envs.list_tasks(args.env, "train")
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         tasks = random.Random(args.seed + 2).sample(train_tasks, args.collect_num_tasks)
@@ -352,7 +365,7 @@ def hisr_scored(batch: Batch) -> tuple[hisr.Args, list[dict], str]:
             f"{fit.get('hindsight/heldout_nll_hindsight', nan):.2f} (policy "
             f"{fit.get('hindsight/heldout_nll_start_policy', nan):.2f})")
     data = (f"own collection, {args.collect_num_tasks} tasks x {args.collect_rollouts} (hisr.py: "
-            f"{hisr.preset_args('tiny', 'household').collect_num_tasks} x "
+            f"{preset(hisr, batch).collect_num_tasks} x "
             f"{args.collect_rollouts}), {fit['aux/trained_on']} trained on, {held}; V = 0; the "
             f"first {min(batch.budget.hisr_tasks, len(batch.task_ids))} task groups")
     batch.cache[key] = args, [hisr.summarize(t) for t in trajs], data
@@ -378,7 +391,7 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
     PRM, step_rewards_per_trajectory, prm_update), pi_old the start. Computed once a batch."""
     if "istar" in batch.cache:
         return batch.cache["istar"]
-    args = replace(istar.preset_args("tiny", "household"), seed=batch.args.seed,
+    args = replace(preset(istar, batch), seed=batch.args.seed,
                    rollout_temperature=batch.args.rollout_temperature)
     policy = istar.Policy(args, batch.model, batch.tokenizer)
 
@@ -392,7 +405,7 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
         rewards = istar.step_rewards_per_trajectory(trajs, new, old, args.beta)
         return rewards, [step._replace(old_logprobs=lp) for step, lp in zip(steps, old)]
 
-    pool = [t for t in envs.list_tasks("household", "train") if t not in set(batch.task_ids)]
+    pool = [t for t in envs.list_tasks(args.env, "train") if t not in set(batch.task_ids)]
     task_rng = random.Random(args.seed)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed + 1)  # the PRM's adapter, then its rollouts
@@ -421,7 +434,7 @@ def istar_step_rewards(batch: Batch) -> tuple[list[list[float]], str]:
 def istar_credit(batch: Batch) -> tuple[list[Tensor], str]:
     """iStar with istar.py's tiny preset (RLOO estimator) and the trained PRM's step rewards."""
     rewards, data = istar_step_rewards(batch)
-    args = replace(istar.preset_args("tiny", "household"), seed=batch.args.seed,
+    args = replace(preset(istar, batch), seed=batch.args.seed,
                    advantage="istar")
     trajs = [{**t, "step_rewards": r} for t, r in zip(batch.trajs, rewards)]
     return istar.compute_advantages(args, trajs), data
@@ -442,7 +455,7 @@ SSPO_READINGS = {"new": {},
 
 def sspo_args(batch: Batch, reading: str) -> sspo.Args:
     """sspo.py's tiny preset with SSPO_READINGS[reading] and the batch's seed."""
-    return replace(sspo.preset_args("tiny", "household"), seed=batch.args.seed,
+    return replace(preset(sspo, batch), seed=batch.args.seed,
                    **SSPO_READINGS[reading])
 
 
@@ -646,6 +659,8 @@ BUDGET_HELP = {"explore_tasks": "SPA: tasks its progress estimator explores (x 8
 
 def main(argv: list[str]) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env", default="household", choices=list(DEFAULT_MODEL),
+                        help="environment (default household; alfworld reads $ALFWORLD_DATA)")
     parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS),
                         choices=list(ESTIMATORS), help="which (default: all)")
     parser.add_argument("--num-tasks", type=int, default=32, help="training tasks (default 32)")
@@ -657,17 +672,21 @@ def main(argv: list[str]) -> list[dict]:
                         help="step limit (default: the training limit)")
     parser.add_argument("--history-length", type=int, default=None,
                         help="past steps in the prompt (default: the training setting)")
-    parser.add_argument("--model", default="tiny",
-                        help="the start: tiny or tiny-weak (shipped), or a directory with a "
-                             "cloned model")
+    parser.add_argument("--model", default=None,
+                        help="the start: tiny or tiny-weak (shipped; on alfworld tiny-alfworld, "
+                             "the default), or a directory with a cloned model")
     for name, value in asdict(Budget()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
                             help=f"{BUDGET_HELP[name]} (default {value})")
     parser.add_argument("--resamples", type=int, default=200, help="bootstrap draws (default 200)")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "credit"),
+    parser.add_argument("--out", default=None,
                         help="where table.md and credit.png go (default benchmarks/results/"
-                             "credit)")
+                             "credit, on alfworld credit/alfworld)")
     args = parser.parse_args(argv)
+    start = DEFAULT_MODEL[args.env]
+    args.model = args.model or start
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results", "credit",
+                                        *(["alfworld"] if args.env == "alfworld" else []))
     for flag in ("num_tasks", "group_size", "resamples", "explore_tasks", "collect_tasks",
                  "hisr_tasks", "dpo_tasks"):
         if getattr(args, flag) < 1:
@@ -677,8 +696,13 @@ def main(argv: list[str]) -> list[dict]:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     if args.group_size > 1024:  # the scripts' own bound: more cannot be played in memory
         parser.error(f"--group-size must be <= 1024 (got {args.group_size})")
-    if args.num_tasks > len(envs.list_tasks("household", "train")):
-        parser.error(f"--num-tasks {args.num_tasks}: the household has fewer training tasks")
+    try:
+        train_tasks = len(envs.list_tasks(args.env, "train"))
+    except UsageError as e:  # no ALFWorld games where $ALFWORLD_DATA points
+        parser.error(str(e))
+    if args.num_tasks > train_tasks:
+        parser.error(f"--num-tasks {args.num_tasks}: --env {args.env} has {train_tasks} training "
+                     "tasks")
     if args.temperature is not None and not (math.isfinite(args.temperature)
                                              and args.temperature > 0):
         parser.error("--temperature must be finite and > 0")
@@ -688,11 +712,12 @@ def main(argv: list[str]) -> list[dict]:
         parser.error("--max-episode-steps must be >= 1")
     if args.history_length is not None and args.history_length < 0:
         parser.error("--history-length must be >= 0")
-    if args.model not in TINY_STARTS and not os.path.isdir(args.model):
-        parser.error(f"--model {args.model}: {', '.join(TINY_STARTS)}, or a directory with a "
-                     "model in it")
+    shipped = [name for name in TINY_STARTS if TINY_ENV[name] == args.env]
+    if args.model not in shipped and not os.path.isdir(args.model):
+        parser.error(f"--model {args.model} on --env {args.env}: {', '.join(shipped)}, or a "
+                     "directory with a model in it")
     own_rollouts = [e for e in args.estimators if e not in ON_THE_BATCH]
-    if (args.model != "tiny" or args.history_length is not None) and own_rollouts:
+    if (args.model != start or args.history_length is not None) and own_rollouts:
         parser.error(f"--model and --history-length reach the batch, not the rollouts and models "
                      f"of {' '.join(own_rollouts)}: screen with {' '.join(ON_THE_BATCH)}")
     os.makedirs(args.out, exist_ok=True)
@@ -700,7 +725,7 @@ def main(argv: list[str]) -> list[dict]:
     began = time.time()
     budget = Budget(**{name: getattr(args, name) for name in asdict(Budget())})
     batch = collect(args.num_tasks, args.group_size, args.seed, args.temperature,
-                    args.max_episode_steps, budget, args.model, args.history_length)
+                    args.max_episode_steps, budget, args.model, args.history_length, args.env)
     steps = [p for traj in batch.progress for p in traj]
     won = np.mean([t["won"] for t in batch.trajs])
     wins = defaultdict(list)
@@ -708,7 +733,8 @@ def main(argv: list[str]) -> list[dict]:
         wins[group].append(traj["won"])
     mixed = np.mean([0 < sum(w) < len(w) for w in wins.values()])  # a group GRPO can learn from
     stall_p, stall_drawn, stalls = stall_expert_probability(batch)
-    summary = (f"start {args.model}, {args.num_tasks} train tasks x {args.group_size}, "
+    summary = (f"{args.env}: start {args.model}, {args.num_tasks} train tasks x "
+               f"{args.group_size}, "
                f"temperature {batch.args.rollout_temperature}, step limit "
                f"{batch.args.max_episode_steps}, history {batch.args.history_length}, seed "
                f"{args.seed}: {len(batch.trajs)} "

@@ -517,6 +517,34 @@ def test_the_alfworld_oracle_is_the_planners_distance(data_root):
         envs.label_progress("alfworld", *job) for job in jobs]
 
 
+def test_the_credit_benchmark_runs_on_alfworld(data_root, tmp_path):
+    """benchmarks/credit.py --env alfworld at a tiny size: the batch played from tiny-alfworld on
+    the fixture's games, labelled by ALFWorld's oracle; a household start and a folder without
+    games are refused before any rollout."""
+    env = dict(os.environ, ALFWORLD_DATA=data_root, HF_HUB_OFFLINE="1")
+    command = [sys.executable, "benchmarks/credit.py", "--env", "alfworld", "--num-tasks", "2",
+               "--group-size", "2", "--max-episode-steps", "6", "--estimators", "oracle", "grpo",
+               "admissible", "--out", str(tmp_path / "out")]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    with open(tmp_path / "out" / "table.md") as f:
+        summary, _, *table = f.read().splitlines()
+    assert summary.startswith("alfworld: start tiny-alfworld, 2 train tasks x 2, ")
+    assert "4 episodes" in summary and "step limit 6" in summary
+    assert [row.split(" | ")[0] for row in table[2:]] == [
+        "| oracle: GRPO + progress (reference, proxmo.py)", "| GRPO (proxmo.py)",
+        "| admissible steps only (reference)"]
+    assert os.path.isfile(tmp_path / "out" / "credit.png")
+    for argv, extra, message in ((["--model", "tiny"], {}, "--model tiny on --env alfworld"),
+                                 ([], {"ALFWORLD_DATA": str(tmp_path)}, "alfworld-download")):
+        refused = subprocess.run(command[:6] + argv + ["--out", str(tmp_path / "no")], cwd=ROOT,
+                                 env={**env, **extra}, capture_output=True, text=True,
+                                 timeout=120)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
+        assert "Traceback" not in refused.stderr and not (tmp_path / "no").exists()
+
+
 def test_the_learning_protocol_runs_on_alfworld(data_root, tmp_path):
     """benchmarks/learning.py --env alfworld at a tiny size, the oracle's run (rollouts in worker
     processes, replayed with the planner in the trainer's): the run takes the env's flags, its
