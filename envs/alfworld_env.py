@@ -405,9 +405,9 @@ def goal_types(problem: str) -> dict:
 def plan_length(facts: list[tuple[str, ...]], goal: dict, cap: int = 60) -> int:
     """The fewest commands from a state to a win (0 if it is won), worked out from its true
     facts (name, *arguments), e.g. ("inreceptacle", apple, fridge), and goal_types(). A command
-    goes anywhere ("go to"), opens what is closed, takes, puts, cleans / heats / cools or
-    switches a lamp on; the object in hand first goes into a receptacle that can hold it. `cap`
-    when the goal cannot be reached."""
+    goes anywhere ("go to"), opens what is closed (once: what a plan opened stays open), takes,
+    puts, cleans / heats / cools or switches a lamp on; the object in hand first goes into a
+    receptacle that can hold it. `cap` when the goal cannot be reached."""
     at, held, fits = None, None, set()
     place, kind, inside = {}, {}, collections.defaultdict(set)  # receptacle -> location, type
     true_of = collections.defaultdict(set)  # fact name -> what it is true of
@@ -430,47 +430,44 @@ def plan_length(facts: list[tuple[str, ...]], goal: dict, cap: int = 60) -> int:
     def go(here, there):
         return 0 if here == there else 1
 
-    def opening(r):
-        return 1 if r in true_of["openable"] and r not in true_of["opened"] else 0
+    def opening(r, opened):
+        """1 if receptacle r is closed and the plan has not opened it yet (in `opened`)."""
+        return int(r in true_of["openable"] and r not in true_of["opened"] and r not in opened)
 
-    def put_down(here, there, holding, opened_anyway=None):
-        """Commands to stand at `there` with empty hands: the object held goes into a
-        receptacle that can hold it (here, there or on the way); opening `opened_anyway`
-        is counted by the caller."""
+    def put_down(here, there, holding, opened):
+        """The ways to stand at `there` with empty hands, as (commands, receptacles opened):
+        the object held goes into a receptacle that can hold it, here, there or on the way."""
         if holding is None:
-            return go(here, there)
-        best = cap
-        for r, location in place.items():
-            if (kind.get(r), kind.get(holding)) in fits:
-                opens = opening(r) if r != opened_anyway else 0
-                best = min(best, go(here, location) + opens + 1 + go(location, there))
-        return best
+            return [(go(here, there), opened)]
+        return [(go(here, location) + opening(r, opened) + 1 + go(location, there), opened | {r})
+                for r, location in place.items() if (kind.get(r), kind.get(holding)) in fits]
 
-    def fetch(o, here, holding):
-        """(commands, where they end) to hold object o, from `here` holding `holding`."""
+    def fetch(o, here, holding, opened):
+        """The ways to hold object o, from `here` holding `holding`, as (commands, where they
+        end, receptacles opened): go where it is, open its receptacle (where the object held may
+        go too), take it."""
         if holding == o:
-            return 0, here
-        best = (cap, here)
+            return [(0, here, opened)]
+        ways = []
         for r in inside[o] & place.keys():
-            steps = put_down(here, place[r], holding, r) + opening(r) + 1
-            best = min(best, (steps, place[r]))
-        return best
+            for steps, now_open in put_down(here, place[r], holding, opened | {r}):
+                ways.append((steps + opening(r, opened) + 1, place[r], now_open))
+        return ways
 
     things = [o for o, t in kind.items()
               if t == goal["object"] and o in true_of["pickupable"]]
     targets = [r for r, t in kind.items() if t == goal["receptacle"]]
-    best = cap
+    best, none = cap, frozenset()
     if goal["lamp"] is not None:  # hold the object where a lamp that was switched on stands
         lamps = [o for o, t in kind.items() if t == goal["lamp"]]
         for o in things:
             for lamp in lamps:
                 for r in inside[lamp] & place.keys():
                     switch = 0 if lamp in true_of["istoggled"] else 1
-                    steps, here = fetch(o, at, held)
-                    fetch_first = steps + go(here, place[r]) + switch
-                    steps, here = fetch(o, place[r], held)
-                    switch_first = go(at, place[r]) + switch + steps + go(here, place[r])
-                    best = min(best, fetch_first, switch_first)
+                    for steps, here, _ in fetch(o, at, held, none):
+                        best = min(best, steps + go(here, place[r]) + switch)
+                    for steps, here, _ in fetch(o, place[r], held, none):
+                        best = min(best, go(at, place[r]) + switch + steps + go(here, place[r]))
         return best
     if goal["two"]:  # two objects of the type in one receptacle of the type
         for r in targets:
@@ -480,25 +477,25 @@ def plan_length(facts: list[tuple[str, ...]], goal: dict, cap: int = 60) -> int:
                 return 0
             others = [o for o in things if r not in inside[o]]
             for first in others:
-                steps, here = fetch(first, at, held)
-                steps += go(here, there) + opening(r) + 1
-                if missing == 1:
-                    best = min(best, steps)
-                    continue
-                for second in others:
-                    if second != first:
-                        more, here = fetch(second, there, None)
-                        best = min(best, steps + more + go(here, there) + 1)
+                for steps, here, opened in fetch(first, at, held, none):
+                    steps += go(here, there) + opening(r, opened) + 1
+                    if missing == 1:
+                        best = min(best, steps)
+                        continue
+                    for second in others:
+                        for more, here, _ in fetch(second, there, None, opened | {r}):
+                            if second != first:
+                                best = min(best, steps + more + go(here, there) + 1)
         return best
     for o in things:  # one object, changed if the goal asks, into a receptacle of the type
-        steps, here = fetch(o, at, held)
-        ways = [(steps, here)]
+        ways = fetch(o, at, held, none)
         if goal["change"] is not None and o not in true_of[CHANGES[goal["change"]][0]]:
             devices = [r for r, t in kind.items() if t == CHANGES[goal["change"]][1]]
-            ways = [(steps + go(here, place[d]) + 1, place[d]) for d in devices]
-        for steps, here in ways:
+            ways = [(steps + go(here, place[d]) + 1, place[d], opened)
+                    for steps, here, opened in ways for d in devices]
+        for steps, here, opened in ways:
             for r in targets:
-                best = min(best, steps + go(here, place[r]) + opening(r) + 1)
+                best = min(best, steps + go(here, place[r]) + opening(r, opened) + 1)
     return best
 
 

@@ -135,6 +135,42 @@ def test_the_alfworld_distance_of_a_lamp_and_of_two_objects_by_hand():
                                               ("inreceptacle", "pen1", "shelf")], two) == 0
 
 
+def test_the_alfworld_distance_opens_a_receptacle_once():
+    """What a plan opened stays open: it is not opened (counted) again on the way back."""
+    pens = [("atlocation", "agent1", "l0"),
+            ("receptacleatlocation", "drawer", "l1"), ("receptacletype", "drawer", "drawertype"),
+            ("openable", "drawer"),
+            ("receptacleatlocation", "shelf", "l3"), ("receptacletype", "shelf", "shelftype"),
+            ("objecttype", "pen1", "pentype"), ("pickupable", "pen1"),
+            ("inreceptacle", "pen1", "drawer"),
+            ("objecttype", "pen2", "pentype"), ("pickupable", "pen2"),
+            ("inreceptacle", "pen2", "drawer")]
+    two = {"object": "pentype", "receptacle": "shelftype", "lamp": None, "change": None,
+           "two": True}
+    # both pens in one closed drawer: go, open, take, go, put, go, take, go, put
+    assert alfworld_env.plan_length(pens, two) == 9
+    # the pen to go into a drawer, cooled first: go, open, take, go to the fridge, cool, go
+    # back, put (the drawer is still open)
+    cool = {"object": "pentype", "receptacle": "drawertype", "lamp": None, "change": "cool",
+            "two": False}
+    fridge = [("receptacleatlocation", "fridge", "l2"),
+              ("receptacletype", "fridge", "fridgetype")]
+    assert alfworld_env.plan_length(pens + fridge, cool) == 7
+    # at the closed target drawer with a pencil in hand, the pen in a closed cabinet that cannot
+    # hold pencils: open the drawer, put the pencil in, go, open the cabinet, take, go, put
+    one = {**cool, "change": None}
+    holding = [("atlocation", "agent1", "l1"), ("holds", "agent1", "pencil"),
+               ("objecttype", "pencil", "penciltype"),
+               ("cancontain", "drawertype", "penciltype"),
+               ("receptacleatlocation", "drawer", "l1"),
+               ("receptacletype", "drawer", "drawertype"), ("openable", "drawer"),
+               ("receptacleatlocation", "cabinet", "l2"),
+               ("receptacletype", "cabinet", "cabinettype"), ("openable", "cabinet"),
+               ("objecttype", "pen", "pentype"), ("pickupable", "pen"),
+               ("inreceptacle", "pen", "cabinet")]
+    assert alfworld_env.plan_length(holding, one) == 7
+
+
 def test_expert_sees_move_as_put():
     assert alfworld_env.expert_view("move mug 1 to desk 2") == "put mug 1 in/on desk 2"
     assert alfworld_env.expert_view("take mug 1 from desk 2") == "take mug 1 from desk 2"
