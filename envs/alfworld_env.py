@@ -482,10 +482,9 @@ def plan_length(facts: list[tuple[str, ...]], goal: dict, cap: int = 60) -> int:
                     if missing == 1:
                         best = min(best, steps)
                         continue
-                    for second in others:
+                    for second in (o for o in others if o != first):
                         for more, here, _ in fetch(second, there, None, opened | {r}):
-                            if second != first:
-                                best = min(best, steps + more + go(here, there) + 1)
+                            best = min(best, steps + more + go(here, there) + 1)
         return best
     for o in things:  # one object, changed if the goal asks, into a receptacle of the type
         ways = fetch(o, at, held, none)
