@@ -66,7 +66,8 @@ import sspo  # noqa: E402
 from common import UsageError  # noqa: E402
 from common.model import (DEFAULT_MODEL, TINY_ENV, TINY_STARTS, add_lora,  # noqa: E402
                           load_model_and_tokenizer, response_logprobs)
-from common.run import CODE_VERSION  # noqa: E402
+from common.progress import Progress  # noqa: E402
+from common.run import CODE_VERSION, quiet_libraries  # noqa: E402
 from envs.alfworld_env import AlfworldEnv  # noqa: E402
 from envs.household import HouseholdEnv, generate_task  # noqa: E402
 from envs.text import expert_response  # noqa: E402
@@ -225,9 +226,12 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
     task_ids = random.Random(seed).sample(envs.list_tasks(env, "train"), num_tasks)
     tasks = [t for t in task_ids for _ in range(group_size)]
     groups = [k for k in range(num_tasks) for _ in range(group_size)]
-    trajs = proxmo.rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature)
+    trajs = proxmo.rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
+                           desc=f"batch: {num_tasks} tasks x {group_size}")
     jobs = [(task, [s["action"] for s in traj["steps"]], [s["next_state"] for s in traj["steps"]],
              args.max_episode_steps) for task, traj in zip(tasks, trajs)]
+    steps = sum(len(traj["steps"]) for traj in trajs)
+    print(f"labelling {steps} steps with the oracle ({args.env_workers} env workers)", flush=True)
     progress, by_state = [], defaultdict(list)
     for i, (p, states) in enumerate(envs.label_batch(env, jobs, args.env_workers)):
         progress.append(p)
@@ -472,6 +476,7 @@ def sspo_search(batch: Batch, reading: str = "new") -> tuple[sspo.Args, sspo.Sta
         args.max_paths = batch.budget.search_paths
     policy = sspo.Policy(args, batch.model, batch.tokenizer)
     table, paths, pathless = sspo.StateTable(), 0, 0
+    progress = Progress(len(batch.task_ids), f"3SPO search ({reading} reading), tasks")
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         for first in range(0, len(batch.task_ids), args.tasks_per_iteration):
@@ -485,7 +490,10 @@ def sspo_search(batch: Batch, reading: str = "new") -> tuple[sspo.Args, sspo.Sta
                     sspo.update_counters(table.counts, keys, won)
                     table.t += 1
                     paths += 1
+                done = first + sum(not sspo.search_active(args, search) for search in searches)
+                progress.update(done - progress.count, paths=paths)
             pathless += sum(search["paths"] == 0 for search in searches)
+    progress.close()
     data = (f"own search on the batch's tasks by the start, no update ({paths} paths, "
             f"{pathless} tasks without one)")
     batch.cache[key] = args, table, data
@@ -722,6 +730,7 @@ def main(argv: list[str]) -> list[dict]:
                      f"of {' '.join(own_rollouts)}: screen with {' '.join(ON_THE_BATCH)}")
     os.makedirs(args.out, exist_ok=True)
 
+    quiet_libraries()
     began = time.time()
     budget = Budget(**{name: getattr(args, name) for name in asdict(Budget())})
     batch = collect(args.num_tasks, args.group_size, args.seed, args.temperature,

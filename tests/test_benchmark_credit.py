@@ -78,6 +78,11 @@ def test_the_benchmark_runs_at_a_tiny_size(tmp_path):
         cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
         timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    # progress while the batch is labelled and while 3SPO searches; no library loading bars
+    assert re.search(r"^labelling \d+ steps with the oracle", result.stdout, re.MULTILINE)
+    for reading in ("literal", "new"):
+        assert f"3SPO search ({reading} reading), tasks 3/3" in result.stdout
+    assert "Loading weights" not in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["credit.png", "table.md"]
     table = (tmp_path / "table.md").read_text()
     for name in ESTIMATORS:
