@@ -231,7 +231,8 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
     jobs = [(task, [s["action"] for s in traj["steps"]], [s["next_state"] for s in traj["steps"]],
              args.max_episode_steps) for task, traj in zip(tasks, trajs)]
     steps = sum(len(traj["steps"]) for traj in trajs)
-    print(f"labelling {steps} steps with the oracle ({args.env_workers} env workers)", flush=True)
+    where = f"{args.env_workers} env workers" if args.env_workers else "in this process"
+    print(f"labelling {steps} steps with the oracle ({where})", flush=True)
     progress, by_state = [], defaultdict(list)
     for i, (p, states) in enumerate(envs.label_batch(env, jobs, args.env_workers)):
         progress.append(p)
