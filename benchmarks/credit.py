@@ -663,7 +663,8 @@ BUDGET_HELP = {"explore_tasks": "SPA: tasks its progress estimator explores (x 8
                "hisr_tasks": "HISR: task groups of the batch it scores",
                "dpo_steps": "iStar: DPO steps of its PRM before it scores the batch",
                "dpo_tasks": "iStar: tasks of each DPO step's rollouts (x 8)",
-               "search_paths": "3SPO: finished paths of its search per task (0: sspo.py's)"}
+               "search_paths": "3SPO: a task's search stops once this many paths have finished "
+                               "(a round may finish several; 0: sspo.py's)"}
 
 
 def main(argv: list[str]) -> list[dict]:
