@@ -4,6 +4,7 @@ one-process update, and a short two-process run writes one run directory."""
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -22,7 +23,10 @@ LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--
 GLOO_ABORT = "terminate called without an active exception"
 
 
-def run(command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+def run(command: list[str], timeout: int = 300, outputs: str | None = None
+        ) -> subprocess.CompletedProcess:
+    """The command's completed process; `outputs`, a folder the command writes into, is emptied
+    before a retry (the aborted launch's run directory would stay beside the retry's)."""
     # One thread per process: two processes share the 2 cores of CI.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -34,6 +38,9 @@ def run(command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
         # abort and no Python error (2 of 3 full-suite runs on a 2-core machine, 0 of 5 runs
         # outside the full suite, twice in a row once; not understood). Launch it again, loudly.
         print(f"retrying after a gloo abort: {shlex.join(command)}", file=sys.stderr)
+        if outputs is not None:
+            shutil.rmtree(outputs)
+            os.makedirs(outputs)
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -100,7 +107,7 @@ def test_two_processes_make_the_update_of_one(method, tmp_path):
 def test_two_process_run_writes_one_run_directory(tmp_path):
     flags = ["--device", "cpu", "--iterations", "1", "--tasks-per-iteration", "2",
              "--group-size", "2", "--eval-num-tasks", "4", "--run-dir", str(tmp_path)]
-    done = run(LAUNCH + ["proxmo.py", *flags])
+    done = run(LAUNCH + ["proxmo.py", *flags], outputs=str(tmp_path))
     (run_name,) = os.listdir(tmp_path)
     run_path = tmp_path / run_name
     assert (run_path / "checkpoint" / "adapter_model.safetensors").is_file()
