@@ -216,7 +216,9 @@ def memoize_engine() -> None:
     - Parses: at every step the engine re-parses, with TatSu, the same few hundred strings (the
       command template and feedback rule of every applicable action, the conditions of the
       grammar's rules): about 85 % of a step. Both parsers (textworld.envs.pddl.textgen's and
-      textworld.logic's `_parse_and_convert`) are cached.
+      textworld.logic's `_parse_and_convert`) are cached, and so is the parse of a game's own
+      grammar at its load (textworld.envs.pddl.logic's, the TRANSLATIONS_KEPT last games: the
+      copies of a game in a group then parse it once).
     - Translations: a game's load and every reset run Fast Downward's translator on the same
       domain and problem (twice: plain and optimized). fast_downward.pddl2sas is cached too, for
       the last TRANSLATIONS_KEPT translations (a reset, or another copy of the same game, then
@@ -227,6 +229,11 @@ def memoize_engine() -> None:
     the same objects, docs/performance.md). The observations and admissible commands are
     unchanged (tested against TextWorld unpatched).
 
+    - Contexts: the grammar copies a derivation's context at every symbol, deep-copying its
+      variables (the entities' infos) and mapping: most of a step once parses are cached. The
+      grammar only reads the entities (its expressions are `o.name`, `r.indefinite`, ...) and
+      adds keys to the two dicts, so new dicts holding the same entries are the same context.
+
     - Libraries: every game loads its own copy of Fast Downward's library (its state lives in
       the library's globals), and a loaded library is never unloaded: about 4 MB a game, for
       good (a worker of a 10-iteration ALFWorld run made ~440 games). A game's copy goes back to
@@ -234,12 +241,23 @@ def memoize_engine() -> None:
       first: a process holds as many copies as it ever had games alive at once."""
     import fast_downward
     from textworld import logic
+    from textworld.envs.pddl import logic as pddl_logic
     from textworld.envs.pddl import textgen
 
     fast_downward.load_lib = _pooled(fast_downward.load_lib)
     fast_downward.pddl2sas = _memoized(fast_downward.pddl2sas, kept=TRANSLATIONS_KEPT)
     textgen._parse_and_convert = _memoized(textgen._parse_and_convert)
     logic._parse_and_convert = _memoized(logic._parse_and_convert)
+    pddl_logic._parse_and_convert = _memoized(pddl_logic._parse_and_convert,
+                                              kept=TRANSLATIONS_KEPT)
+    textgen.copy_context = _copy_context
+
+
+def _copy_context(context: dict) -> dict:
+    """textgen.copy_context with the variables and mapping in new dicts, their entries shared."""
+    return {"state": context["state"], "facts": context["facts"],
+            "variables": dict(context["variables"]), "mapping": dict(context["mapping"]),
+            "entity_infos": context["entity_infos"]}
 
 
 def _memoized(function, kept: int | None = None):
@@ -263,7 +281,7 @@ def _memoized(function, kept: int | None = None):
     return memoized
 
 
-TRANSLATIONS_KEPT = 64  # translations memoize_engine keeps (a problem has two: plain, optimized)
+TRANSLATIONS_KEPT = 64  # per-game results memoize_engine keeps (two translations a problem)
 _FREE_LIBRARIES: list = []  # loaded copies of Fast Downward whose game is gone (memoize_engine)
 
 

@@ -316,11 +316,14 @@ def play_texts(game_file: str, walkthrough: list[str]) -> list:
 
 
 def test_memoized_engine_gives_its_own_text(data_root):
-    """With the parse cache, observations and admissible commands equal those of TextWorld
-    unpatched (played in a fresh process that never calls memoize_engine)."""
+    """With the caches and the grammar's lighter context copies, observations and admissible
+    commands equal those of TextWorld unpatched (played in a fresh process that never calls
+    memoize_engine), on the walkthrough after a look, the inventory and a command the game
+    does not know."""
     game_file = games(data_root, "train")[-1]
     with open(game_file) as f:
-        walkthrough = json.load(f)["walkthrough"]
+        walkthrough = ["look", "inventory", "take nothing from nowhere",
+                       *json.load(f)["walkthrough"]]
     code = ("import json, sys; sys.path.insert(0, 'tests'); import test_alfworld_games as t; "
             "print(json.dumps(t.play_texts(sys.argv[1], json.loads(sys.argv[2]))))")
     plain = subprocess.run([sys.executable, "-c", code, game_file, json.dumps(walkthrough)],
