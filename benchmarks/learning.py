@@ -59,6 +59,9 @@ ITERATIONS = {"household": 20, "alfworld": 10}
 # all drawn from torch's global stream; ALFWorld's protocol draws by key, so that paired arms share
 # their draws (docs/running.md), its records beside the previous protocol's, under keyed/.
 SAMPLER = {"household": "global", "alfworld": "keyed"}
+# The keyed ALFWorld protocol's evaluations play every game 3 times (--eval-draws), the size chosen
+# by measurement (docs/environments.md); the previous protocol's records, once.
+EVAL_DRAWS = {("alfworld", "keyed"): 3}
 # Each env's held-out splits (household: valid, test); the default is its headline one.
 SPLITS = {env: tuple(s for s in envs.SPLITS[env] if s != envs.TRAIN_SPLIT[env])
           for env in envs.ENV_NAMES}
@@ -260,6 +263,13 @@ def flag_errors(script: str, estimators: list[str], seeds: list[int], split: str
                 continue
             errors += [f"{script} {' '.join(flags)}: {e}" for e in module.validate_args(args)]
     return list(dict.fromkeys(errors))
+
+
+def protocol_flags(env: str, sampler: str, iterations: int) -> list[str]:
+    """Every run's flags of the protocol on `env`, drawing by `sampler`."""
+    flags = ["--iterations", str(iterations), *PROTOCOL_FLAGS[2:], *ENV_FLAGS[env]]
+    draws = EVAL_DRAWS.get((env, sampler), 1)
+    return flags + (["--eval-draws", str(draws)] if draws > 1 else [])
 
 
 def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: int,
@@ -566,7 +576,8 @@ def main(argv: list[str]) -> str:
                         help="evaluate every this many iterations too (default: at the end only)")
     parser.add_argument("--sampler", default=None, choices=["keyed", "global"],
                         help="how every run draws its samples (default: household global, its "
-                             "records'; alfworld keyed); keyed records go under keyed/")
+                             "records'; alfworld keyed, each held-out game played 3 times); "
+                             "keyed records go under keyed/")
     parser.add_argument("--results", default=None,
                         help="records, table.md and learning.png (default benchmarks/results/"
                              "learning/[alfworld/][keyed/]<split>/<script>, with the extra flags "
@@ -603,13 +614,14 @@ def main(argv: list[str]) -> str:
     if "--eval-every" in extra:
         parser.error("--eval-every is learning.py's own flag: give it before --")
     owned = ["--advantage", "--seed", "--eval-splits", "--eval-num-tasks", "--run-dir",
-             "--resume", "--start-evaluations", "--sampler"]
+             "--resume", "--start-evaluations", "--sampler", "--eval-draws"]
     taken = [flag for flag in owned if flag in extra]
     if taken:  # e.g. --run-dir elsewhere: the run would finish where no record is made
         parser.error(f"{', '.join(taken)} after --: the protocol sets them for each run "
-                     "(--estimators, --seeds, --split, --eval-num-tasks, --runs, --sampler)")
-    protocol = ["--iterations", str(args.iterations), *PROTOCOL_FLAGS[2:], *ENV_FLAGS[args.env]]
+                     "(--estimators, --seeds, --split, --eval-num-tasks, --runs, --sampler; "
+                     "--eval-draws follows the sampler)")
     args.sampler = args.sampler or SAMPLER[args.env]
+    protocol = protocol_flags(args.env, args.sampler, args.iterations)
     results_root = RESULTS if args.env == "household" else os.path.join(RESULTS, args.env)
     sampled = "keyed" if args.sampler == "keyed" else ""  # keyed runs' records and runs apart
     results_root = os.path.join(results_root, sampled)

@@ -113,8 +113,10 @@ def _view(game, started: bool) -> dict:
 
 class WorkerPool:
     """`size` processes that host games made by make_game(*args) (an importable function such as
-    envs.make_game). Games go to the workers in turn. Started with "spawn", so a worker never
-    inherits the trainer's threads; close() (also run at exit) ends them."""
+    envs.make_game). Games of one task made in a row (a group's, an evaluation's draws of a
+    game) go to one worker, whose caches make the later copies cheaply; the tasks go in turn.
+    Started with "spawn", so a worker never inherits the trainer's threads; close() (also run at
+    exit) ends them."""
 
     def __init__(self, size: int, make_game):
         if size < 1:
@@ -130,13 +132,20 @@ class WorkerPool:
             self.processes.append(process)
         self.inbox: list[dict] = [{} for _ in range(size)]  # answers read for another game
         self.labels: dict[int, str] = {}  # game id -> what it plays, for messages
-        self._next_id = 0
+        self._next_id, self._turns = 0, 0
+        self._last: tuple[str, int] | None = None  # the last game's task and worker
         atexit.register(self.close)
 
     def make(self, *args) -> "RemoteGame":
-        """A game made in the next worker; made asynchronously, awaited at its first call."""
-        game = RemoteGame(self, self._next_id % len(self.processes), self._next_id)
-        self.labels[game.game_id] = " ".join(str(a) for a in args[:2])  # env and task: its name
+        """A game made in its worker; made asynchronously, awaited at its first call."""
+        label = " ".join(str(a) for a in args[:2])  # env and task: its name
+        if self._last is not None and self._last[0] == label:
+            worker = self._last[1]
+        else:
+            worker, self._turns = self._turns % len(self.processes), self._turns + 1
+        self._last = (label, worker)
+        game = RemoteGame(self, worker, self._next_id)
+        self.labels[game.game_id] = label
         self._next_id += 1
         game.send("make", *args)
         return game

@@ -281,7 +281,9 @@ def _memoized(function, kept: int | None = None):
     return memoized
 
 
-TRANSLATIONS_KEPT = 64  # per-game results memoize_engine keeps (two translations a problem)
+# Per-game results memoize_engine keeps: two translations a problem, so a worker holding 256
+# games (an evaluation's 120, made before any is reset) translates none twice; ~250 KB each.
+TRANSLATIONS_KEPT = 512
 _FREE_LIBRARIES: list = []  # loaded copies of Fast Downward whose game is gone (memoize_engine)
 
 

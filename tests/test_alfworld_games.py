@@ -660,7 +660,10 @@ def test_the_learning_protocol_runs_on_alfworld(data_root, tmp_path):
     assert record["game_set"] == {"alfworld_data": data_root, "train_games": 6,
                                   "valid_unseen_games": 2, "seeds": [SEED],
                                   "alfworld": importlib.metadata.version("alfworld")}
-    assert len(record["evaluations"]["0"]["eval_valid_unseen/outcomes"]) == 2
+    # keyed, every game played 3 times (--eval-draws 3): [game, won, steps] per episode
+    outcomes = record["evaluations"]["0"]["eval_valid_unseen/outcomes"]
+    assert record["flags"][6:8] == ["--eval-draws", "3"] and record["sampler"] == "keyed"
+    assert [game for game, _, _ in outcomes] == [0, 0, 0, 1, 1, 1]
     assert re.search(r"^\| proxmo\.py \| oracle \| 1 \|", result.stdout, re.MULTILINE)
     refused = subprocess.run([*command[:2], "--env", "alfworld", "--split", "test"], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=120)

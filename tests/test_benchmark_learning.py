@@ -299,7 +299,20 @@ def test_a_damaged_record_is_refused_by_name(record, says, capsys):
     assert says in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--run-dir", "--seed", "--advantage", "--sampler"])
+def test_the_keyed_alfworld_protocol_plays_each_game_three_times():
+    """ALFWorld's keyed protocol evaluates with --eval-draws 3 (the size docs/environments.md
+    chose); its previous protocol (--sampler global) and the household's draw once."""
+    import learning
+
+    keyed = learning.protocol_flags("alfworld", "keyed", 10)
+    assert keyed == ["--iterations", "10", "--tasks-per-iteration", "8", "--env", "alfworld",
+                     "--eval-draws", "3"]
+    assert learning.protocol_flags("alfworld", "global", 10) == keyed[:-2]
+    assert learning.protocol_flags("household", "global", 20) == PROTOCOL_FLAGS
+
+
+@pytest.mark.parametrize("flag", ["--run-dir", "--seed", "--advantage", "--sampler",
+                                  "--eval-draws"])
 def test_a_flag_the_protocol_sets_is_refused_after_the_double_dash(flag, capsys):
     """learning.py -- --run-dir ELSEWHERE would finish the run where no record is made, and play
     it again at every sitting: refused before any run starts."""

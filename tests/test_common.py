@@ -433,6 +433,22 @@ def test_a_remote_game_snapshots_and_restores_as_a_local_one():
     assert seen[0] == seen[1] and seen[0][0] and seen[0][2] == 1
 
 
+def test_a_tasks_copies_made_in_a_row_share_a_worker():
+    """A group's copies of a task (or an evaluation's draws of a game) go to one worker, where its
+    caches serve them; the tasks go to the workers in turn."""
+    from common.envbatch import WorkerPool
+
+    a, b, c = envs.list_tasks("household", "train", 3)
+    pool = WorkerPool(2, envs.make_game)
+    try:
+        games = [pool.make("household", task, 5) for task in (a, a, a, b, b, c, a)]
+        assert [game.worker for game in games] == [0, 0, 0, 1, 1, 0, 1]
+        games[4].reset()  # a game made there plays there
+        assert games[4].admissible_actions()
+    finally:
+        pool.close()
+
+
 def test_a_dead_or_failing_env_worker_is_a_clear_error():
     from common.envbatch import WorkerPool
 
