@@ -72,11 +72,22 @@ def sd(values: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
+def pooled_sd(a: list[dict], b: list[dict]) -> float:
+    """The SD of one evaluation's B - A, from each game's variance over the seeds: with G games,
+    sqrt(mean over games of Var_seeds(b_g - a_g) / G) (d draws per game divide it by sqrt(d)).
+    a, b: the two policies' evaluations, one per seed, each with outcomes [game, won, steps]."""
+    def won(evaluation: dict) -> np.ndarray:
+        return np.array([w for _, w, _ in sorted(evaluation["outcomes"])], dtype=float)
+
+    differences = np.stack([won(y) - won(x) for x, y in zip(a, b)])  # (seeds, games)
+    return math.sqrt(differences.var(axis=0, ddof=1).mean() / differences.shape[1])
+
+
 def table(out: str, seeds: list[int], draws: int) -> str:
-    """The paired differences B - A by sampler and seed, their mean and SD, and what the keyed
-    draws' SD would be with more draws per game (the per-game sampling variance scaled)."""
-    rows = ["| sampler | B - A per seed | mean | SD over seeds | minutes per evaluation |",
-            "| --- | --- | --- | --- | --- |"]
+    """The paired differences B - A by sampler and seed, their mean and SD over seeds, the SD
+    pooled over games (pooled_sd, a steadier estimate of the same) and at 2 and 3 draws a game."""
+    rows = ["| sampler | B - A per seed | mean | SD over seeds | SD pooled over games "
+            "(2, 3 draws) | minutes per evaluation |", "| --- | --- | --- | --- | --- | --- |"]
     for sampler in SAMPLERS:
         found = {}
         for name in ("a", "b"):
@@ -90,8 +101,11 @@ def table(out: str, seeds: list[int], draws: int) -> str:
             continue
         diffs = [found["b", s]["success"] - found["a", s]["success"] for s in both]
         minutes = np.mean([r["seconds"] / 60 for r in found.values()])
+        pooled = (pooled_sd([found["a", s] for s in both], [found["b", s] for s in both])
+                  if len(both) > 1 else float("nan"))
         rows.append(f"| {sampler} | {', '.join(f'{d:+.3f}' for d in diffs)} | "
-                    f"{np.mean(diffs):+.4f} | {sd(diffs):.4f} | {minutes:.1f} |")
+                    f"{np.mean(diffs):+.4f} | {sd(diffs):.4f} | {pooled:.4f} ("
+                    f"{pooled / math.sqrt(2):.4f}, {pooled / math.sqrt(3):.4f}) | {minutes:.1f} |")
     return "\n".join(rows)
 
 

@@ -782,11 +782,25 @@ def test_eval_sizing_pairs_the_same_policy_to_a_difference_of_zero(data_root, tm
     argv = ["--a", "start", "--b", "start", "--seeds", "1", "2", "--out", str(tmp_path)]
     markdown = eval_sizing.main(argv)
     for sampler in ("global", "keyed"):
-        assert f"| {sampler} | +0.000, +0.000 | +0.0000 | 0.0000 |" in markdown
+        assert f"| {sampler} | +0.000, +0.000 | +0.0000 | 0.0000 | 0.0000 (" in markdown
     assert len(glob.glob(str(tmp_path / "*-seed*-draws1.json"))) == 8
     capsys.readouterr()
     eval_sizing.main(argv)
     assert "success" not in capsys.readouterr().out.split("| sampler")[0]  # nothing played
+
+
+def test_eval_sizing_pools_each_games_variance_by_hand(monkeypatch):
+    """Two seeds, two games. B - A per game: seed 1 (0, 1), seed 2 (1, 0); each game's variance
+    over the seeds is 0.5, so one evaluation's difference has SD sqrt(0.5 / 2) = 0.5."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import eval_sizing
+
+    def evaluation(*won):
+        return {"outcomes": [[game, w, 50] for game, w in enumerate(won)]}
+
+    a = [evaluation(1, 0), evaluation(0, 0)]
+    b = [evaluation(1, 1), evaluation(1, 0)]
+    assert eval_sizing.pooled_sd(a, b) == pytest.approx(0.5)
 
 
 def test_a_demonstration_edited_or_reshaped_is_damage(data_root, tmp_path):
