@@ -367,14 +367,15 @@ def describe(args, script: str, path: str) -> str:
         return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
     tasks = f"first {args.eval_num_tasks}" if args.eval_num_tasks else "all"
+    played = f" x {args.eval_draws} draws" if args.eval_draws > 1 else ""
     lines = [f"{script} --advantage {args.advantage} --env {args.env} --model {args.model} "
              f"({args.device}, {args.backend} backend, seed {args.seed})",
              f"  RL: {count(args.iterations, 'iteration')} x "
              f"{count(args.tasks_per_iteration, 'task')} x "
              f"{count(args.group_size, 'episode')}, <= {args.max_episode_steps} steps of <= "
              f"{args.max_new_tokens} new tokens, lr {args.learning_rate:g}",
-             f"  evaluation: {tasks} {'/'.join(args.eval_splits)} tasks "
-             f"(T={args.eval_temperature:g}) at 0, every {count(args.eval_every, 'iteration')} "
+             f"  evaluation: {tasks} {'/'.join(args.eval_splits)} tasks{played} "
+             f"(T={args.eval_temperature:g}, {args.sampler} draws) at 0, every {count(args.eval_every, 'iteration')} "
              "and at the end",
              f"  {'resumes' if args.resume else 'run directory'}: {path}"]
     if args.bc_epochs > 0 and not args.resume:

@@ -222,7 +222,8 @@ def memoize_engine() -> None:
     - Translations: a game's load and every reset run Fast Downward's translator on the same
       domain and problem (twice: plain and optimized). fast_downward.pddl2sas is cached too, for
       the last TRANSLATIONS_KEPT translations (a reset, or another copy of the same game, then
-      costs no translation).
+      costs no translation), and on disk beside the game set (_stored: a game is translated
+      once per game set, not once per process).
 
     Each call gets its own copy of the cached result, because the engine writes into what it is
     given: the result is kept pickled and each call unpickles it (faster than copy.deepcopy of
@@ -245,7 +246,8 @@ def memoize_engine() -> None:
     from textworld.envs.pddl import textgen
 
     fast_downward.load_lib = _pooled(fast_downward.load_lib)
-    fast_downward.pddl2sas = _memoized(fast_downward.pddl2sas, kept=TRANSLATIONS_KEPT)
+    fast_downward.pddl2sas = _memoized(fast_downward.pddl2sas, kept=TRANSLATIONS_KEPT,
+                                       on_disk=True)
     textgen._parse_and_convert = _memoized(textgen._parse_and_convert)
     logic._parse_and_convert = _memoized(logic._parse_and_convert)
     pddl_logic._parse_and_convert = _memoized(pddl_logic._parse_and_convert,
@@ -260,18 +262,24 @@ def _copy_context(context: dict) -> dict:
             "entity_infos": context["entity_infos"]}
 
 
-def _memoized(function, kept: int | None = None):
+def _memoized(function, kept: int | None = None, on_disk: bool = False):
     """`function` (pure) with its results cached by arguments, the `kept` most recently used
-    (all when None); every call gets a copy of its own (the pickled result unpickled). A function
-    already memoized is returned as it is, so memoize_engine may run many times."""
+    (all when None), and with on_disk also on disk (_stored); every call gets a copy of its own
+    (the pickled result unpickled). A function already memoized is returned as it is, so
+    memoize_engine may run many times."""
     if getattr(function, "memoized", False):
         return function
     cache = collections.OrderedDict()  # least recently used first: key -> pickled result
 
+    def pickled(*args, **kwargs) -> bytes:  # pickled once: a fresh translation pickles slowly
+        return pickle.dumps(function(*args, **kwargs), pickle.HIGHEST_PROTOCOL)
+
+    produce = _stored(pickled) if on_disk else pickled
+
     def memoized(*args, **kwargs):
         key = (args, tuple(sorted(kwargs.items())))
         if key not in cache:
-            cache[key] = pickle.dumps(function(*args, **kwargs), pickle.HIGHEST_PROTOCOL)
+            cache[key] = produce(*args, **kwargs)
             if kept is not None and len(cache) > kept:
                 cache.popitem(last=False)
         cache.move_to_end(key)
@@ -279,6 +287,41 @@ def _memoized(function, kept: int | None = None):
 
     memoized.memoized = True
     return memoized
+
+
+def _stored(pickled):
+    """pickled(*args, **kwargs) -> bytes (a translation, pickled) with its results also kept in
+    data_root()'s translations/ folder, one compressed file per arguments (named by their sha256
+    with Fast Downward's version), read back by any later process. A file that does not read back
+    whole (zlib checks it) is made and written again; where the folder cannot be written nothing
+    is kept."""
+    import importlib.metadata
+    import zlib
+
+    version = importlib.metadata.version("fast_downward_textworld")
+
+    def stored(*args, **kwargs) -> bytes:
+        named = json.dumps([version, args, sorted(kwargs.items())]).encode()
+        name = hashlib.sha256(named).hexdigest()
+        path = os.path.join(data_root(), "translations", name[:2], f"{name}.pickle.z")
+        try:
+            with open(path, "rb") as f:
+                return zlib.decompress(f.read())
+        except (OSError, zlib.error):
+            pass  # not there yet, or damaged: made again
+        result = pickled(*args, **kwargs)
+        partial = f"{path}.{os.getpid()}.partial"  # two workers may write one translation
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(partial, "wb") as f:
+                f.write(zlib.compress(result, 1))
+            os.replace(partial, path)
+        except OSError:  # a read-only game set, a full disk: kept in memory only
+            if os.path.exists(partial):
+                os.remove(partial)
+        return result
+
+    return stored
 
 
 # Per-game results memoize_engine keeps: two translations a problem, so a worker holding 256

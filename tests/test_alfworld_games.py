@@ -337,6 +337,34 @@ def test_memoized_engine_gives_its_own_text(data_root):
     assert all("help" in admissible for admissible in memoized[1::2])
 
 
+def test_translations_are_kept_on_disk_beside_the_game_set(tmp_path, monkeypatch):
+    """A translation made once is read back by a later process (a new cache: the function is not
+    called again); a damaged file is made and written again; a game set where nothing can be
+    written keeps translations in memory only."""
+    calls = []
+
+    def translate(domain, problem, verbose=False, optimize=False):
+        calls.append((domain, problem, optimize))
+        return {"sas": f"{domain}|{problem}|{optimize}"}
+
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path))
+    first = alfworld_env._memoized(translate, kept=4, on_disk=True)
+    assert first("d", "p", optimize=True) == {"sas": "d|p|True"}
+    (kept,) = glob.glob(str(tmp_path / "translations" / "*" / "*.pickle.z"))
+    later = alfworld_env._memoized(translate, kept=4, on_disk=True)  # another process's cache
+    assert later("d", "p", optimize=True) == {"sas": "d|p|True"} and len(calls) == 1
+    with open(kept, "r+b") as f:
+        f.truncate(10)
+    again = alfworld_env._memoized(translate, kept=4, on_disk=True)
+    assert again("d", "p", optimize=True) == {"sas": "d|p|True"} and len(calls) == 2
+    assert alfworld_env._memoized(translate, on_disk=True)("d", "p", optimize=True) == {
+        "sas": "d|p|True"} and len(calls) == 2  # the file written again is whole
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "a-file"))
+    assert alfworld_env._memoized(translate, on_disk=True)("d", "q") == {"sas": "d|q|False"}
+    assert len(calls) == 3 and not glob.glob(str(tmp_path / "**" / "*.partial"), recursive=True)
+
+
 def test_loading_a_game_keeps_sys_argv(data_root):
     argv = list(sys.argv)
     game = alfworld_env.AlfworldEnv(games(data_root, "train")[0], max_steps=5)
