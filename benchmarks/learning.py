@@ -43,6 +43,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import numpy as np  # noqa: E402
+
 import envs  # noqa: E402
 from common import write_json  # noqa: E402
 from common.run import try_lock  # noqa: E402
@@ -106,6 +108,38 @@ def verdict(differences: list[float]) -> str:
     if mean < -2 * se:
         return "loses to"
     return "not distinguishable"
+
+
+def detectable_lead(sd: float, seeds: int, power: float = 0.8, simulations: int = 20000) -> float:
+    """The smallest true mean lead that verdict() calls "beats" with probability `power` when a
+    seed's paired difference is normal with this SD: the rule applied to simulated seeds (fixed
+    draws, so the answer is a function of its arguments), bisected to 0.001."""
+    rng = np.random.default_rng(0)
+    noise = rng.standard_normal((simulations, seeds)) * sd
+    mean_noise = noise.mean(axis=1)
+    se = noise.std(axis=1, ddof=1) / math.sqrt(seeds)  # a shift moves the mean, not the SE
+    low, high = 0.0, 10 * sd + 1e-3
+    while high - low > 1e-3:
+        lead = (low + high) / 2
+        passed = np.mean(lead + mean_noise > 2 * se)
+        low, high = (low, lead) if passed >= power else (lead, high)
+    return high
+
+
+def evaluation_variance(record: dict, key: str) -> float | None:
+    """The sampling variance of a record's end evaluation `key` (eval_<split>/success) when it
+    played every game d > 1 times: the mean over games of the draws' variance (n - 1), over
+    games x d. None with one draw a game."""
+    evaluations = record["evaluations"]
+    outcomes = evaluations[max(evaluations, key=int)].get(key.replace("success", "outcomes"))
+    won: dict[int, list[int]] = {}
+    for game, w, _ in outcomes or []:
+        won.setdefault(game, []).append(w)
+    draws = {len(v) for v in won.values()}
+    if len(draws) != 1 or draws == {1}:  # one draw a game (or no outcomes kept)
+        return None
+    (d,) = draws
+    return float(np.mean([np.var(v, ddof=1) for v in won.values()])) / (len(won) * d)
 
 
 # ---- runs and their records ---------------------------------------------------------------------
@@ -433,13 +467,18 @@ def paired_differences(split: str, results: dict[str, dict[int, dict]]) -> dict[
         if baseline not in results:
             continue
         seeds = sorted(set(runs) & set(results[baseline]))
-        differences = []
+        differences, noise = [], []
         for seed in seeds:
             m_start, m_end = gain(runs[seed], key)
             b_start, b_end = gain(results[baseline][seed], key)
             differences.append((m_end - m_start) - (b_end - b_start))
+            noise.append([evaluation_variance(r, key) for r in (runs[seed],
+                                                                  results[baseline][seed])])
         if seeds:
-            out[method] = {"baseline": baseline, "seeds": seeds, "differences": differences}
+            known = [a + b for a, b in noise if a is not None and b is not None]
+            out[method] = {"baseline": baseline, "seeds": seeds, "differences": differences,
+                           "evaluation_variance": (float(np.mean(known))
+                                                   if len(known) == len(seeds) else None)}
     return out
 
 
@@ -474,14 +513,28 @@ def curve_table(split: str, results: dict[str, dict[int, dict]]) -> str:
 
 
 def paired_table(pairs: dict[str, dict]) -> str:
-    """Markdown: one row per method and its baseline."""
+    """Markdown: one row per method and its baseline, with the SD of a seed's difference, split
+    (with several draws a game) into its two end evaluations' part, as if their draws were
+    independent (shared keys only lower it), and the rest, training's; and the leads 6, 9 and 12
+    seeds detect at 80 % power with that SD."""
     lines = ["| method | baseline | seeds | difference per seed | mean difference +- SE | "
-             "verdict |", "| --- | --- | --- | --- | --- | --- |"]
+             "verdict | SD per seed (evaluations, training) | lead seen at 80 % by 6 / 9 / 12 "
+             "seeds |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method, pair in pairs.items():
         mean, se = mean_and_se(pair["differences"])
         per_seed = " / ".join(f"{d:+.3f}" for d in pair["differences"])
+        spread, seen = "", ""
+        if len(pair["differences"]) > 1:
+            sd = se * math.sqrt(len(pair["differences"]))
+            spread = f"{sd:.3f}"
+            if pair.get("evaluation_variance") is not None:
+                evaluations = pair["evaluation_variance"]
+                training = math.sqrt(max(sd ** 2 - evaluations, 0.0))
+                spread += f" ({math.sqrt(evaluations):.3f}, {training:.3f})"
+            seen = " / ".join(f"{detectable_lead(sd, n):+.3f}" for n in (6, 9, 12))
         lines.append(f"| {method} | {pair['baseline']} | {len(pair['seeds'])} | {per_seed} | "
-                     f"{mean:+.3f} +- {se:.3f} | {verdict(pair['differences'])} |")
+                     f"{mean:+.3f} +- {se:.3f} | {verdict(pair['differences'])} | {spread} | "
+                     f"{seen} |")
     return "\n".join(lines)
 
 

@@ -14,9 +14,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from learning import (PROTOCOL_FLAGS, as_taken, check_record, curve_table, mean_and_se,
-                      paired_differences, start_or_resume,  # noqa: E402
-                      paired_table, table, verdict)
+from learning import (PROTOCOL_FLAGS, as_taken, check_record, curve_table,  # noqa: E402
+                      detectable_lead, evaluation_variance, mean_and_se,
+                      paired_differences, paired_table, start_or_resume, table, verdict)
 
 
 def _record(start, end, minutes=10.0):
@@ -54,7 +54,35 @@ def test_paired_differences_use_the_seeds_both_ran():
     assert pairs["proxmo"]["differences"] == pytest.approx([0.05, 0.04])
     # mean 0.045, SE = 0.01 / 2 = 0.005; 2 seeds make no claim
     assert ("| proxmo | grpo | 2 | +0.050 / +0.040 | +0.045 +- 0.005 | not distinguishable "
-            "(2 < 6 seeds) |" in paired_table(pairs))
+            "(2 < 6 seeds) | 0.007 |" in paired_table(pairs))
+
+
+def test_a_seeds_spread_splits_into_its_evaluations_and_training():
+    """End evaluations that played each of 2 games twice: won (1, 0) and (1, 1) give the draws'
+    variances 0.5 and 0, so an evaluation's variance is 0.25 / (2 games x 2 draws) = 0.0625; a
+    pair of them 0.125. Differences 0.6 and 0.1: SD 0.354 = sqrt(0.125), all evaluation's."""
+    def record(start, end):
+        outcomes = [[0, 1, 5], [0, 0, 50], [1, 1, 3], [1, 1, 4]]
+        return {**_record(start, end), "evaluations": {
+            "0": {"eval_test/success": start},
+            "10": {"eval_test/success": end, "eval_test/outcomes": outcomes}}}
+
+    assert evaluation_variance(record(0, 0.75), "eval_test/success") == 0.0625
+    assert evaluation_variance(_record(0, 0.75), "eval_test/success") is None
+    results = {"proxmo": {1: record(0.0, 0.8), 2: record(0.0, 0.3)},
+               "grpo": {1: record(0.0, 0.2), 2: record(0.0, 0.2)}}
+    pairs = paired_differences("test", results)
+    assert pairs["proxmo"]["evaluation_variance"] == pytest.approx(0.125)
+    assert "| 0.354 (0.354, 0.000) |" in paired_table(pairs)
+
+
+def test_the_lead_seen_at_80_percent_power_is_the_rule_applied():
+    """At 400 seeds the rule (mean > 2 SE) is the normal test: (2 + 0.8416) sd / sqrt(400) =
+    0.142 for sd 1. At 6 seeds and sd 0.053 (t with 5 degrees of freedom): 0.063, where the
+    noncentral t gives 80.5 % (scipy.stats.nct, checked once)."""
+    assert detectable_lead(1.0, 400) == pytest.approx(0.1421, abs=0.002)
+    assert detectable_lead(0.053, 6) == pytest.approx(0.063, abs=0.001)
+    assert detectable_lead(0.053, 12) < detectable_lead(0.053, 6)
 
 
 def test_a_claim_needs_six_seeds_and_two_standard_errors():
@@ -87,7 +115,8 @@ def test_the_protocol_runs_at_a_tiny_size_and_resumes_from_its_records(tmp_path)
     for _, start, end, gain, se in rows:
         assert float(gain) == pytest.approx(float(end) - float(start), abs=1.5e-3)
     assert re.search(r"^\| proxmo \| grpo \| 2 \| [+-][\d.]+ / [+-][\d.]+ \| .* \| not "
-                     r"distinguishable \(2 < 6 seeds\) \|$", result.stdout, re.MULTILINE)
+                     r"distinguishable \(2 < 6 seeds\) \| [\d.]+ \| ", result.stdout,
+                     re.MULTILINE)
     records = tmp_path / "records"
     assert sorted(os.listdir(records)) == ["grpo-seed1.json", "grpo-seed2.json",
                                            "learning.png", "proxmo-seed1.json",
