@@ -375,8 +375,8 @@ def describe(args, script: str, path: str) -> str:
              f"{count(args.group_size, 'episode')}, <= {args.max_episode_steps} steps of <= "
              f"{args.max_new_tokens} new tokens, lr {args.learning_rate:g}",
              f"  evaluation: {tasks} {'/'.join(args.eval_splits)} tasks{played} "
-             f"(T={args.eval_temperature:g}, {args.sampler} draws) at 0, every {count(args.eval_every, 'iteration')} "
-             "and at the end",
+             f"(T={args.eval_temperature:g}, {args.sampler} draws) at 0, "
+             f"every {count(args.eval_every, 'iteration')} and at the end",
              f"  {'resumes' if args.resume else 'run directory'}: {path}"]
     if args.bc_epochs > 0 and not args.resume:
         lines.insert(2, f"  behavior cloning first: {args.bc_epochs} epochs on "
