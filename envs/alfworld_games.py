@@ -461,9 +461,11 @@ def generate(out: str, per_type: int, seed: int, splits=SPLITS, task_types=TASK_
     go to `workers` processes, each cell's draws in order, so the games are the same for any
     number of workers; a cell already begun goes on after its last whole game. A progress line
     every 30 s (the games on disk)."""
-    cells = [(out, per_type, seed, split, task_type, max_draws)
-             for split in splits for task_type in task_types]
-    had = {cell[3:5]: len(clear_partial(out, seed, *cell[3:5])) for cell in cells}
+    whole = {(split, task_type): clear_partial(out, seed, split, task_type)
+             for split in splits for task_type in task_types}  # each cell's whole games
+    cells = [(out, per_type, seed, split, task_type, max_draws, indices)
+             for (split, task_type), indices in whole.items()]
+    had = {cell: len(indices) for cell, indices in whole.items()}
     total = per_type * len(cells)
     begun = sum(min(n, per_type) for n in had.values())
     if begun:
@@ -489,10 +491,10 @@ def _ignore_interrupts() -> None:
 
 
 def _generate_cell(cell: tuple) -> tuple[tuple[str, str], list[str]]:
-    """One (split, task type) of generate, in a worker: its game files, draws in order."""
-    out, per_type, seed, split, task_type, max_draws = cell
+    """One (split, task type) of generate, in a worker: its game files, draws in order, going on
+    after the cell's whole games (`indices`, clear_partial's)."""
+    out, per_type, seed, split, task_type, max_draws, indices = cell
     paths = wheel_paths()
-    indices = clear_partial(out, seed, split, task_type)
     files = [glob.glob(os.path.join(out, "json_2.1.1", split, f"{task_type}-*",
                                     f"trial_T{seed}_{i:05d}", "game.tw-pddl"))[0]
              for i in indices][:per_type]
