@@ -101,8 +101,9 @@ def table(out: str, seeds: list[int], draws: int) -> str:
             continue
         diffs = [found["b", s]["success"] - found["a", s]["success"] for s in both]
         minutes = np.mean([r["seconds"] / 60 for r in found.values()])
+        # One draw a game only: several draws' outcomes are sorted, which draw was which lost.
         pooled = (pooled_sd([found["a", s] for s in both], [found["b", s] for s in both])
-                  if len(both) > 1 else float("nan"))
+                  if len(both) > 1 and draws == 1 else float("nan"))
         rows.append(f"| {sampler} | {', '.join(f'{d:+.3f}' for d in diffs)} | "
                     f"{np.mean(diffs):+.4f} | {sd(diffs):.4f} | {pooled:.4f} ("
                     f"{pooled / math.sqrt(2):.4f}, {pooled / math.sqrt(3):.4f}) | {minutes:.1f} |")

@@ -291,17 +291,17 @@ def _memoized(function, kept: int | None = None, on_disk: bool = False):
 
 def _stored(pickled):
     """pickled(*args, **kwargs) -> bytes (a translation, pickled) with its results also kept in
-    data_root()'s translations/ folder, one compressed file per arguments (named by their sha256
-    with Fast Downward's version), read back by any later process. A file that does not read back
-    whole (zlib checks it) is made and written again; where the folder cannot be written nothing
-    is kept."""
+    data_root()'s translations/ folder (without ALFWORLD_DATA, ~/.cache/alfworld's), one
+    compressed file per arguments, named by their sha256 with Fast Downward's and Python's
+    versions, read back by any later process. A file that does not read back whole (zlib checks
+    it) is made and written again; where the folder cannot be written nothing is kept."""
     import importlib.metadata
     import zlib
 
     version = importlib.metadata.version("fast_downward_textworld")
 
-    def stored(*args, **kwargs) -> bytes:
-        named = json.dumps([version, args, sorted(kwargs.items())]).encode()
+    def stored(*args, **kwargs) -> bytes:  # named by Python's version too: its pickles
+        named = json.dumps([version, sys.version_info[:2], args, sorted(kwargs.items())]).encode()
         name = hashlib.sha256(named).hexdigest()
         path = os.path.join(data_root(), "translations", name[:2], f"{name}.pickle.z")
         try:
