@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 import envs  # noqa: E402
-from common import write_json  # noqa: E402
+from common import UsageError, write_json  # noqa: E402
 from common.run import try_lock  # noqa: E402
 from envs import alfworld_env  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "learning")  # the committed records
@@ -279,7 +279,6 @@ def flag_errors(script: str, estimators: list[str], seeds: list[int], split: str
                 flags: list[str]) -> list[str]:
     """What the script would refuse in any of the runs, found before the first starts: an
     estimator that is not a value of its --advantage, a bad seed, a bad flag after --."""
-    from common import UsageError
     from common.config import choices
 
     module = script_module(script)
@@ -656,7 +655,10 @@ def main(argv: list[str]) -> str:
                      f"{', '.join(SPLITS[args.env])}")
     if args.iterations is None:
         args.iterations = ITERATIONS[args.env]
-    split_size = len(envs.list_tasks(args.env, args.split))
+    try:
+        split_size = len(envs.list_tasks(args.env, args.split))
+    except UsageError as e:  # no games where ALFWORLD_DATA points
+        parser.error(str(e))
     if not 0 <= args.eval_num_tasks <= split_size:
         parser.error(f"--eval-num-tasks must be in [0, {split_size}] (0 = all {split_size} "
                      f"{args.split} tasks)")

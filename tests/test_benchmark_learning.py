@@ -328,6 +328,20 @@ def test_a_damaged_record_is_refused_by_name(record, says, capsys):
     assert says in capsys.readouterr().err
 
 
+def test_an_alfworld_protocol_without_games_says_how_to_get_them(tmp_path, monkeypatch, capsys):
+    """ALFWORLD_DATA where there are no games: a usage error naming the ways to get them, before
+    any run, not a traceback."""
+    import learning
+
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path))
+    with pytest.raises(SystemExit) as stopped:
+        learning.main(["--env", "alfworld", "--runs", str(tmp_path / "runs")])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "no ALFWorld games found" in err and "alfworld-download" in err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_keyed_alfworld_protocol_plays_each_game_three_times():
     """ALFWorld's keyed protocol evaluates with --eval-draws 3 (the size docs/environments.md
     chose); its previous protocol (--sampler global) and the household's draw once."""
