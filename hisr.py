@@ -74,7 +74,6 @@ import numpy as np
 # 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
-from accelerate import PartialState
 from torch import Tensor
 
 import envs
@@ -88,8 +87,8 @@ from common.model import (TINY_NAMES, add_lora, length_sorted_chunks, load_lora,
                           next_token_losses, pad_prompt_response, pad_rows,
                           response_logprobs, scored_logprobs)
 from common.progress import Progress
-from common.run import (Run, check_finite, rollout_stats, seal, seal_errors, start_run, timer,
-                        timings)
+from common.run import (Run, check_finite, rollout_stats, save_part, seal_errors, start_run,
+                        timer, timings)
 from envs.text import (PROMPT_INTRO, encode_prompt, expert_response, is_well_formed,
                        parse_action)
 
@@ -892,7 +891,6 @@ def save_reward_models(path: str, sprm, head, hindsight, args: Args) -> None:
     torch.save(head.state_dict(), os.path.join(path, "sprm", "head.pt"))
     with open(os.path.join(path, "reading.json"), "w") as f:
         json.dump({name: getattr(args, name) for name in READING}, f, indent=1)
-    seal(path)  # a resume checks it is as saved
 
 
 def load_reward_models(args: Args, start_model, path: str):
@@ -971,9 +969,7 @@ def reward_models_stage(args: Args, run: Run, policy: Policy, start_model,
               f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the policy: "
               f"{stats['hindsight/heldout_nll_start_policy']:.4f})")
     run.log(stats, 0)
-    if PartialState().is_main_process:
-        save_reward_models(path, sprm, head, hindsight, args)
-    PartialState().wait_for_everyone()
+    save_part(path, lambda folder: save_reward_models(folder, sprm, head, hindsight, args))
     return sprm, head, hindsight
 
 

@@ -77,8 +77,8 @@ from common.generation import Policy, episode_keys, make_vllm_engine
 from common.model import (add_lora, length_sorted_chunks, load_lora, merge_lora,
                           next_token_losses, pad_prompt_response, pad_rows, response_logprobs)
 from common.progress import Progress
-from common.run import (Run, check_finite, rollout_stats, seal, seal_errors, start_run, timer,
-                        timings)
+from common.run import (Run, check_finite, rollout_stats, save_part, seal_errors, start_run,
+                        timer, timings)
 from envs.text import (PROMPT_INTRO, encode_prompt, expert_response, is_well_formed,
                        parse_action)
 
@@ -383,9 +383,8 @@ def exploration(args: Args, run: Run, policy: Policy, tasks: list) -> list[dict]
         return []
     policy.sync(run.path)
     trajs = explore(args, policy, tasks)
-    if args.rl_data == "explore" and run.dist.is_main_process:  # what a resume trains on
-        torch.save(trajs, path)
-        seal(path)
+    if args.rl_data == "explore":  # what a resume trains on
+        save_part(path, partial(torch.save, trajs))
     return trajs
 
 
@@ -512,7 +511,6 @@ def save_progress_estimator(path: str, pe, head, base_model: str) -> None:
     pe.peft_config["default"].base_model_name_or_path = base_model
     pe.save_pretrained(path, save_embedding_layers=False)  # no hub lookup
     torch.save(head.state_dict(), os.path.join(path, "head.pt"))
-    seal(path)  # a resume checks it is as saved
 
 
 def load_progress_estimator(args: Args, start_model, path: str):
@@ -556,8 +554,7 @@ def progress_estimator(args: Args, run: Run, pe_start, tokenizer, explore_trajs:
     print(f"progress estimator done in {stats['pe/seconds']:.0f}s: exploration success "
           f"{stats['pe/explore_success']:.3f}, train loss {stats['pe/train_loss']:.4f}{fit}")
     run.log(stats, 0)
-    if run.dist.is_main_process:
-        save_progress_estimator(path, pe, head, start_path)
+    save_part(path, lambda folder: save_progress_estimator(folder, pe, head, start_path))
     return pe, head
 
 

@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 import envs  # noqa: E402
-from common import UsageError, write_json  # noqa: E402
+from common import UsageError, folder_error, write_json, write_text  # noqa: E402
 from common.run import try_lock  # noqa: E402
 from envs import alfworld_env  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "learning")  # the committed records
@@ -356,8 +356,12 @@ def run_one(script: str, estimator: str, seed: int, split: str, eval_num_tasks: 
             summaries = [start_or_resume(command, run_dir, runs_dir, run_name(estimator, seed))]
         record = make_record(summaries[-1], script, estimator, seed, split, eval_num_tasks, flags)
         check_record(record, split, summaries[-1])
-        os.makedirs(records_dir, exist_ok=True)
-        write_json(record_file, record)  # whole or not at all
+        try:
+            os.makedirs(records_dir, exist_ok=True)
+            write_json(record_file, record)  # whole or not at all
+        except OSError as e:  # a full disk, say: the finished run is recorded at the next sitting
+            raise SystemExit(f"error: cannot write {record_file} ({e}); the run is kept in "
+                             f"{run_dir}, and the next sitting records it") from None
     finally:
         os.close(lock)
     evaluations = record["evaluations"]
@@ -696,6 +700,8 @@ def main(argv: list[str]) -> str:
 
     flags, records_dir, runs_dir = places(args.script)
     errors = flag_errors(args.script, args.estimators, args.seeds, args.split, flags)
+    errors += [e for e in (folder_error("--results", args.results or records_dir),
+                           folder_error("--runs", args.runs)) if e]
     if errors:
         parser.error("\n".join(errors))
     # The arms of a seed share one start evaluation, kept beside the records.
@@ -744,11 +750,14 @@ def main(argv: list[str]) -> str:
         markdown += "\n\n" + paired_table(pairs)
     if args.eval_every:
         markdown += "\n\n" + curve_table(args.split, results)
-    os.makedirs(records_dir, exist_ok=True)
-    with open(os.path.join(records_dir, "table.md"), "w") as f:
-        seeds = sorted({seed for runs in results.values() for seed in runs})
-        f.write(f"flags: {' '.join(as_taken(flags))}; seeds {seeds}; split {args.split}\n\n"
-                f"{markdown}\n")
+    seeds = sorted({seed for runs in results.values() for seed in runs})
+    try:
+        os.makedirs(records_dir, exist_ok=True)
+        write_text(os.path.join(records_dir, "table.md"), f"flags: {' '.join(as_taken(flags))}; "
+                   f"seeds {seeds}; split {args.split}\n\n{markdown}\n")
+    except OSError as e:
+        print(markdown)
+        raise SystemExit(f"error: cannot write {records_dir}/table.md ({e}); the table is above")
     plot(args.script, args.split, results, pairs, os.path.join(records_dir, "learning.png"))
     print(markdown)
     print(f"(records, table.md and learning.png in {records_dir}; runs and logs in {runs_dir})")

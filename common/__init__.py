@@ -19,11 +19,29 @@ class RunStopped(Exception):
 def write_text(path: str, text: str) -> None:
     """`text` at `path`, whole or not at all: written beside it, then renamed over it."""
     partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    try:
+        with open(partial, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:  # a full disk, say: no half-written file is left beside it
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
+
+
+def folder_error(flag: str, folder: str) -> str | None:
+    """Why `folder` cannot be, or be made, a writable directory (checked before the work), or
+    None when it can."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{flag} {folder}: {existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{flag} {folder}: {existing} is not writable"
+    return None
 
 
 def write_json(path: str, value) -> None:

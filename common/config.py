@@ -151,6 +151,9 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
     config_file = os.path.join(known.resume, "config.json")
     if not os.path.isdir(known.resume):
         raise UsageError(f"--resume {known.resume}: no such run directory")
+    if os.path.isfile(f"{config_file}.partial") and not os.path.isfile(config_file):
+        raise UsageError(f"--resume {known.resume}: the run stopped while writing its config.json"
+                         ", before any work: nothing to resume, start it again")
     if not os.path.isfile(config_file):
         raise UsageError(f"--resume {known.resume}: no config.json in it (not a run directory of "
                          "this script?)")

@@ -44,7 +44,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors import SafetensorError
 
 import envs
-from common import RunStopped, UsageError, write_json
+from common import RunStopped, UsageError, folder_error, write_json
 from common.config import settings_digest
 from common.dist import launch_errors, start_processes
 from common.model import (TINY_NAMES, check_lora_targets, check_model,
@@ -264,6 +264,27 @@ def seal(path: str) -> None:
         write_json(f"{path}.sha256", {os.path.basename(path): _sha256(path)})
 
 
+def save_part(path: str, write) -> None:
+    """A method's own part saved at `path` (a file or folder) by write(path) on the main process,
+    then sealed; a write that fails (a full disk) removes what it wrote and stops the run on
+    every process (RunStopped)."""
+    failed = None
+    if PartialState().is_main_process:
+        try:
+            write(path)
+            seal(path)
+        except (OSError, RuntimeError, SafetensorError) as e:  # torch.save's full disk: Runtime
+            shutil.rmtree(path, ignore_errors=True)
+            for leftover in (path, f"{path}.sha256"):
+                if os.path.isfile(leftover):
+                    os.remove(leftover)
+            failed = (f"{path} could not be written ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''})")
+    failed = broadcast_object_list([failed])[0]  # every process stops, or none
+    if failed:
+        raise RunStopped(failed)
+
+
 def seal_errors(path: str) -> list[str]:
     """What in a sealed folder or file differs from its seal ([] without a seal: saved before
     seals, or never sealed)."""
@@ -427,20 +448,13 @@ class Run:
             except UsageError:
                 self.release()
                 raise
-        else:
+        else:  # the folders it will write to, before the model loads
             self.state = None
-            self._check_run_dir()
-
-    def _check_run_dir(self) -> None:
-        """--run-dir must be, or be creatable as, a writable directory (before the model loads)."""
-        run_dir = self.args.run_dir
-        existing = os.path.abspath(run_dir)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
-            raise UsageError(f"--run-dir {run_dir}: {existing} is a file, not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise UsageError(f"--run-dir {run_dir}: {existing} is not writable")
+            for flag, folder in (("--run-dir", args.run_dir),
+                                 ("--start-evaluations", args.start_evaluations)):
+                error = folder_error(flag, folder) if folder else None
+                if error:
+                    raise UsageError(error)
 
     def _take_lock(self) -> None:
         """The main process holds a lock on the run directory itself until the run finishes or
@@ -609,8 +623,12 @@ class Run:
             return stored["stats"]
         stats = evaluate()
         if self.dist.is_main_process:
-            os.makedirs(args.start_evaluations, exist_ok=True)
-            write_json(path, {"key": key, "commit": CODE_VERSION, "stats": stats})
+            try:
+                os.makedirs(args.start_evaluations, exist_ok=True)
+                write_json(path, {"key": key, "commit": CODE_VERSION, "stats": stats})
+            except OSError as e:  # a full disk, say: the run goes on, the next run evaluates
+                print(f"warning: cannot keep the start evaluation in {path} ({e}); the run "
+                      "goes on", file=sys.stderr)
         return stats
 
     def check_task_set(self, found: dict | None) -> None:
@@ -702,10 +720,16 @@ class Run:
                 path = f"{self.path}-{k}"
 
     def log(self, stats: dict, step: int) -> None:
-        if self.writer is not None:
+        """`stats`' numbers in TensorBoard; a log that cannot be written stops the run."""
+        if self.writer is None:
+            return
+        try:
             for k, v in stats.items():
                 if not isinstance(v, (list, tuple)):  # per-task lists stay in the history
                     self.writer.add_scalar(k, v, step)
+        except OSError as e:  # a full disk: the writer's thread says so at the next write
+            raise RunStopped(f"iteration {step}: the TensorBoard log cannot be written ({e})"
+                             ) from None
 
     def identity(self) -> dict:
         """What a checkpoint belongs to: the script and every setting a resume may not change
@@ -836,7 +860,10 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
         success on the first evaluation split) and ends the processes' group."""
         args = self.args
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except OSError as e:  # its last events: as in log()
+                raise RunStopped(f"the TensorBoard log cannot be written ({e})") from None
         if args.track and self.dist.is_main_process:
             import wandb
 
@@ -849,10 +876,13 @@ policy = load_lora(model, "{os.path.abspath(self.checkpoint)}")
                    "run_path": self.path,
                    "minutes": (self.seconds + time.time() - self.began) / 60}
         if self.dist.is_main_process:
-            if self.config is not None:  # a resume that had nothing left to save
-                write_json(self.file("config.json"), self.config)
             evaluations = {str(k): v for k, v in sorted(self.history.items())}
-            write_json(self.file("summary.json"), {**summary, "evaluations": evaluations})
+            try:  # a full disk: --resume finishes a run whose last checkpoint has no summary
+                if self.config is not None:  # a resume that had nothing left to save
+                    write_json(self.file("config.json"), self.config)
+                write_json(self.file("summary.json"), {**summary, "evaluations": evaluations})
+            except OSError as e:
+                raise RunStopped(f"the run's summary cannot be written ({e})") from None
         self.release()
         start = summary["start_success"]
         start = "n/a (resumed)" if start is None else f"{start:.3f}"

@@ -293,6 +293,22 @@ def test_every_estimator_seed_and_flag_is_checked_before_the_first_run(argv, mes
     assert not (tmp_path / "runs").exists() and not (tmp_path / "records").exists()
 
 
+@pytest.mark.parametrize("flag", ["--results", "--runs"])
+def test_a_results_or_runs_folder_under_a_file_is_refused_before_the_first_run(flag, tmp_path,
+                                                                               capsys):
+    import learning
+
+    (tmp_path / "file").write_text("")
+    folders = {"--results": str(tmp_path / "records"), "--runs": str(tmp_path / "runs"),
+               flag: str(tmp_path / "file" / "below")}
+    with pytest.raises(SystemExit) as stop:
+        learning.main([item for pair in folders.items() for item in pair])
+    assert stop.value.code == 2
+    assert f"{flag} {tmp_path / 'file' / 'below'}: {tmp_path / 'file'} is a file" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "records").exists()
+
+
 def _whole_record(**end):
     stats = {"eval_test/success": 0.5, "eval_test/grounding": 0.6, "eval_test/episode_length": 20}
     return {"minutes": 10.0, "evaluations": {"0": dict(stats), "20": {**stats, **end}}}

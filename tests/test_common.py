@@ -653,6 +653,54 @@ def test_a_sealed_folder_or_file_names_what_changed(tmp_path):
     assert seal_errors(str(lone)) == ["rollouts.pt is missing"]
 
 
+def test_a_part_that_cannot_be_saved_stops_the_run_and_leaves_nothing(tmp_path):
+    """save_part (SPA's exploration rollouts and progress model, HISR's reward models): sealed
+    when written whole; a write that fails part-way (a full disk) removes what it wrote, seal
+    included, and stops the run with one line naming the part."""
+    import errno
+
+    from common import RunStopped
+    from common.run import save_part, seal_errors
+
+    def half(path):  # one file written, then the disk is full
+        os.makedirs(path)
+        (tmp_path / "model" / "head.pt").write_bytes(b"abc")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(RunStopped, match=r"model could not be written \(OSError: .*No space"):
+        save_part(str(tmp_path / "model"), half)
+    save_part(str(tmp_path / "rollouts.pt"), lambda path: torch.save([1, 2], path))
+    assert seal_errors(str(tmp_path / "rollouts.pt")) == []
+
+    def truncated(path):  # as torch.save fails on a full tmpfs, the file half written
+        with open(path, "wb") as f:
+            f.write(b"PK")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+    with pytest.raises(RunStopped, match="rollouts.pt could not be written .RuntimeError"):
+        save_part(str(tmp_path / "rollouts.pt"), truncated)
+    assert os.listdir(tmp_path) == []
+
+
+def test_write_text_leaves_the_old_file_and_no_partial_on_a_full_disk(tmp_path, monkeypatch):
+    """write_text is whole or nothing: a write that fails keeps what was there, and removes its
+    own partial file."""
+    import errno
+
+    import common
+
+    path = tmp_path / "summary.json"
+    common.write_json(str(path), {"a": 1})
+
+    def full(descriptor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        common.write_json(str(path), {"a": 2})
+    assert os.listdir(tmp_path) == ["summary.json"] and json.loads(path.read_text()) == {"a": 1}
+
+
 def test_a_damaged_model_folder_is_one_line(tmp_path):
     """The shipped start copied and damaged: its chat template deleted (every prompt goes through
     it), or its config's vocabulary size changed (the weights no longer fit): a UsageError naming

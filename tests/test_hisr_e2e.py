@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from common.run import seal_errors
 from helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,6 +127,7 @@ def test_saved_reward_models_skip_collection(tmp_path):
     run(["--iterations", "0", "--run-dir", str(tmp_path / "first"), *SMALL], tmp_path)
     (first,) = glob.glob(str(tmp_path / "first" / "*"))
     saved = os.path.join(first, "reward_models")
+    assert os.path.isfile(os.path.join(saved, "checksums.json")) and seal_errors(saved) == []
     out = run(["--iterations", "1", "--reward-models", saved, "--run-dir",
                str(tmp_path / "second"), *SMALL], tmp_path)
     assert not collected(out) and "rl 1/1" in out.stdout

@@ -375,6 +375,46 @@ def test_a_full_disk_at_the_first_write_leaves_no_directory(tmp_path, monkeypatc
     assert os.listdir(tmp_path) == []
 
 
+def test_a_full_disk_at_the_logs_or_the_summary_stops_with_one_line(tmp_path, monkeypatch,
+                                                                     capsys):
+    """After the first write: TensorBoard's log or summary.json that cannot be written stops the
+    run (RunStopped: one line, exit 1, --resume finishes it), no half-written summary; a start
+    evaluation that cannot be kept is a warning, the run goes on. --start-evaluations under a
+    file is refused before the model loads."""
+    import errno
+
+    import common
+    import common.run
+    import proxmo
+    from common import RunStopped, UsageError
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="--start-evaluations .*is a file, not a directory"):
+        common.run.Run(proxmo.Args(run_dir=str(tmp_path / "runs"),
+                                   start_evaluations=str(tmp_path / "file" / "starts")),
+                       "proxmo.py")
+    args = proxmo.Args(run_dir=str(tmp_path / "runs"), start_evaluations=str(tmp_path / "starts"))
+    run_ = common.run.Run(args, "proxmo.py")
+    run_.open()
+    run_.start_weights = "the start's digest"
+    monkeypatch.setattr(common.run, "write_json", full)
+    stats = {f"eval_{args.eval_splits[0]}/success": 0.5}
+    assert run_._evaluation(args.eval_splits[0], 0, lambda: stats) == stats
+    assert "warning: cannot keep the start evaluation" in capsys.readouterr().err
+    monkeypatch.setattr(run_.writer, "add_scalar", full)
+    with pytest.raises(RunStopped, match="iteration 3: the TensorBoard log cannot be written"):
+        run_.log({"loss": 1.0}, 3)
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "fsync", full)  # write_json's own write fails
+    run_.history = {0: stats}
+    with pytest.raises(RunStopped, match="the run's summary cannot be written .*No space"):
+        run_.finish()
+    assert not [name for name in os.listdir(run_.path) if name.startswith("summary")]
+
+
 def test_a_checkpoint_whose_checksums_were_removed_or_emptied_is_refused(tmp_path):
     """Deleting checksums.json, or emptying it, does not turn the check off for a checkpoint
     that was saved with one."""

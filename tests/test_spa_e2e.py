@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from common.run import seal_errors
 from helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,6 +123,8 @@ def test_a_saved_progress_estimator_skips_exploration(tmp_path):
     run(["--iterations", "0", "--run-dir", str(tmp_path / "first"), *SMALL], tmp_path)
     (first,) = glob.glob(str(tmp_path / "first" / "*"))
     assert os.path.isfile(os.path.join(first, "progress_model", "head.pt"))
+    assert os.path.isfile(os.path.join(first, "progress_model", "checksums.json"))  # sealed
+    assert seal_errors(os.path.join(first, "progress_model")) == []
     out = run(["--iterations", "1", "--progress-model", os.path.join(first, "progress_model"),
                "--rl-data", "online", "--run-dir", str(tmp_path / "second"), *SMALL], tmp_path)
     assert not explored(out) and "rl 1/1" in out.stdout
