@@ -2,18 +2,15 @@
 
 ProxMO is GiGPO with two changes to the advantage:
   * episode level (PSC, the Polarized Signal Controller, Eqs. 5-7): the GRPO z-score of each
-    trajectory's 0/1 outcome is scaled by a weight w(R, p) that depends on the group's success
-    rate p - rare successes are pushed up a little, failures in easy groups are penalised a
-    little less;
+    trajectory's 0/1 outcome is scaled by a weight w(R, p) that depends on the group's success rate
+    p - rare successes are pushed up a little, failures in easy groups are penalised a little less;
   * step level (PSA, Proximity-based Soft Aggregation, Eqs. 8-11): every step's baseline is a
     softmax(similarity / tau)-weighted mean of the discounted returns of all steps of its task
     group, the similarity being TF-IDF cosine between the observation texts; step advantage =
-    own return - soft baseline. The env's reward is 1 on the step that wins the game and 0 on
-    every other step.
-  A = modulated episode advantage + omega * step advantage (Eq. 12), minus
-  --invalid-action-penalty on a step whose reply is malformed (ours: the paper has no such
-  term), optimised with PPO-clip and a KL penalty to the reference policy (Eq. 13). No critic,
-  no learned reward model.
+    own return - soft baseline. The env's reward is 1 on the winning step, 0 on every other step.
+  A = modulated episode advantage + omega * step advantage (Eq. 12), minus --invalid-action-penalty
+  on a step whose reply is malformed (ours: the paper has no such term), optimised with PPO-clip
+  and a KL penalty to the reference policy (Eq. 13). No critic, no learned reward model.
 
 Run:
     python proxmo.py                        # tiny model, built-in household, minutes on a CPU
@@ -23,10 +20,8 @@ Run:
 
 Sections: 1 ProxMO advantages, 2 GRPO/GiGPO baselines and the oracle, 3 policy loss, 4 arguments,
 5 rollouts, 6 behavior cloning, 7 evaluation, 8 training loop.
-To read: sections 1-3 tell the method, section 8 the loop (`main`: rollout -> reward ->
-advantage -> update, then `policy_update`); sections 5-7 (rollouts, behavior cloning,
-evaluation) are the harness, the same text in every script, and section 4 the flags: skip them on
-a first read.
+To read: sections 1-3 tell the method, 8 the loop (`main`: rollout -> reward -> advantage ->
+update, then `policy_update`); 4 (the flags) and 5-7 (the harness, alike in every script) can wait.
 """
 
 from __future__ import annotations
@@ -44,8 +39,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep, not spin. The default run takes 40 % longer on
-# 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin (docs/performance.md); yours wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from torch import Tensor
@@ -88,16 +82,14 @@ def tfidf_vectors(texts: list[str], max_features: int = 1024) -> Tensor:
     go alphabetically here, by an unstable sort there."""
     docs = [Counter(TOKEN_RE.findall(t.lower())) for t in texts]
     totals: Counter = Counter()
-    df: Counter = Counter()
     for d in docs:
         totals.update(d)
-        df.update(d.keys())
+    df = Counter(w for d in docs for w in d)  # how many texts hold w
     terms = sorted(sorted(totals), key=lambda w: -totals[w])[:max_features]
     column = {w: j for j, w in enumerate(sorted(terms))}
-    n = len(texts)
-    idf = torch.tensor([math.log((1 + n) / (1 + df[w])) + 1 for w in sorted(terms)],
+    idf = torch.tensor([math.log((1 + len(texts)) / (1 + df[w])) + 1 for w in column],
                        dtype=torch.float64)
-    vectors = torch.zeros(n, len(column), dtype=torch.float64)
+    vectors = torch.zeros(len(texts), len(column), dtype=torch.float64)
     for i, d in enumerate(docs):
         for w, count in d.items():
             if w in column:
@@ -124,8 +116,7 @@ def group_zscore(values: Tensor, eps: float = 1e-6, use_std: bool = True) -> Ten
 
 def psc_weights(success: Tensor, p: float, alpha: float = 4.0, beta: float = 0.1) -> Tensor:
     """(N,) bool -> (N,) Eq. 6: w = 1 + beta * f, f(success) = sigmoid((1-p)^alpha) - 0.5,
-    f(failure) = sigmoid(-(p^alpha)) - 0.5. Powers, not products; w stays in [1 - 0.231*beta,
-    1 + 0.231*beta]."""
+    f(failure) = sigmoid(-(p^alpha)) - 0.5 (powers, not products); |w - 1| <= 0.231 * beta."""
     p = float(p)
     w_success = 1.0 + beta * (1.0 / (1.0 + math.exp(-((1.0 - p) ** alpha))) - 0.5)
     w_failure = 1.0 + beta * (1.0 / (1.0 + math.exp(p ** alpha)) - 0.5)
@@ -144,15 +135,13 @@ def proxmo_episode_advantages(outcomes: Tensor, alpha: float = 4.0, beta: float 
 
 def proximity_baselines(returns: Tensor, sim: Tensor,
                         temperature: float = 0.1) -> tuple[Tensor, Tensor]:
-    """returns (M,) and sim (M, M) of the steps of ONE group -> (weights (M, M), baselines (M,)).
+    """returns (M,) and sim (M, M) of the steps of ONE group -> (weights (M, M), baselines (M,)):
+    weights = row-softmax(sim / temperature) (Eq. 10), baselines = weights @ returns (Eq. 11).
     `temperature` is Eq. 10's tau (--proximity-temperature), not the sampling temperature. A
     step's own return is in its baseline with the largest weight (its similarity to itself is 1,
     unless its text has no word of the vocabulary: then every weight is equal), so a step unlike
     every other of its group gets an advantage near 0. TF-IDF reads words of 2+ characters:
-    "drawer 1" and "drawer 2" look alike.
-
-    weights = row-softmax(sim / temperature) with the row max subtracted (Eq. 10; stable for tiny
-    temperatures); baselines = weights @ returns (Eq. 11)."""
+    "drawer 1" and "drawer 2" look alike."""
     logits = sim.to(torch.float64) / temperature
     weights = torch.softmax(logits - logits.max(dim=1, keepdim=True).values, dim=1)
     return weights, weights @ returns.to(torch.float64)
@@ -161,8 +150,7 @@ def proximity_baselines(returns: Tensor, sim: Tensor,
 def proxmo_step_advantages(returns: list[Tensor], sim: Tensor,
                            temperature: float = 0.1) -> list[Tensor]:
     """Eq. 11 on one group: returns[i] (T_i,) of trajectory i; sim (M, M) over the flattened steps
-    (trajectory-major, M = sum T_i) -> A^S = R - B split back into per-trajectory (T_i,)
-    tensors."""
+    (trajectory-major, M = sum T_i) -> A^S = R - B, split back into one (T_i,) per trajectory."""
     flat = torch.cat([r.to(torch.float64) for r in returns])
     _, baselines = proximity_baselines(flat, sim, temperature)
     return list(torch.split(flat - baselines, [len(r) for r in returns]))
@@ -172,10 +160,8 @@ def proxmo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], sim: T
                             alpha: float = 4.0, beta: float = 0.1, temperature: float = 0.1,
                             gamma: float = 0.95, omega: float = 1.0, eps: float = 1e-6,
                             use_std: bool = True) -> list[Tensor]:
-    """Eq. 12 for one group of N trajectories: A[i][t] = A~E[i] + omega * A^S[i][t].
-
-    outcomes (N,) in {0, 1}; step_rewards[i] (T_i,); sim (M, M) over the group's flattened steps.
-    Returns N tensors of shape (T_i,)."""
+    """Eq. 12 on one group of N trajectories: A[i][t] = A~E[i] + omega * A^S[i][t]; outcomes (N,)
+    in {0, 1}, step_rewards[i] (T_i,), sim (M, M) over the group's flattened steps -> N (T_i,)."""
     returns = [discounted_returns(r, gamma) for r in step_rewards]
     episode = proxmo_episode_advantages(outcomes, alpha, beta, eps, use_std)
     step = proxmo_step_advantages(returns, sim, temperature)
@@ -205,8 +191,7 @@ def proxmo_batch_advantages(outcomes: list[float], step_rewards: list[Tensor],
 
 
 # ---- 2. Baselines: GRPO (ProxMO at --psc-beta 0 --step-weight 0), GiGPO; the oracle; dispatch --
-# GiGPO z-scores each step's return within its exact-match anchor group; PSA (section 1) softens
-# that grouping into similarity weights, and never divides by a std.
+# GiGPO z-scores returns within exact-match anchor groups; PSA (section 1) softens them, no std.
 def grpo_advantages(outcomes: Tensor, eps: float = 1e-6, use_std: bool = True) -> Tensor:
     """(N,) -> (N,) GRPO episode advantage (Eq. 5); the same value is used for every step."""
     return group_zscore(outcomes, eps, use_std)
@@ -218,10 +203,9 @@ def gigpo_step_advantages(returns: list[Tensor], states: list[list[str]], eps: f
     equal (any time index, any trajectory); group_zscore of the returns inside each anchor group
     (a singleton gets 0). returns[i], states[i] have length T_i; output (T_i,) per trajectory."""
     flat_returns = torch.cat([r.to(torch.float64) for r in returns])
-    flat_states = [s for traj in states for s in traj]
     anchors: dict[str, list[int]] = defaultdict(list)
-    for k, s in enumerate(flat_states):
-        anchors[s].append(k)
+    for k, state in enumerate(s for traj in states for s in traj):
+        anchors[state].append(k)
     out = torch.zeros_like(flat_returns)
     for rows in anchors.values():
         out[rows] = group_zscore(flat_returns[rows], eps, use_std)
@@ -272,10 +256,9 @@ def label_oracle_progress(args: Args, trajectories: list[dict], tasks: list) -> 
 
 
 def summarize(traj: dict) -> dict:
-    """What advantages and logs read of a trajectory (section 5), cheap to gather: "group" (its
-    task's index in the batch), "won", "rewards" [r_t], "task_type", the oracles' "progress",
-    and per step "state" (the raw observation the step acted on, s_t: not the prompt), "valid"
-    (admissible) and "well_formed"."""
+    """What advantages and logs read of a trajectory, cheap to gather: "group" (its task's index in
+    the batch), "won", "rewards", "task_type", the oracles' "progress", and per step "state" (the
+    raw observation acted on, s_t: not the prompt), "valid" (admissible) and "well_formed"."""
     steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
     kept = ("task_type", "group", "won", "rewards", "progress")  # progress: read by the oracles
     return {**{k: traj[k] for k in kept if k in traj}, "steps": steps}
@@ -283,16 +266,14 @@ def summarize(traj: dict) -> dict:
 
 def compute_advantages(args: Args, summaries: list[dict],
                        generator: torch.Generator | None = None) -> list[Tensor]:
-    """Per-step advantages (T_i,) of every trajectory of a batch (`summaries`: summarize's, of
-    every process) with the chosen estimator; then every estimator's one penalty rule: the
-    --invalid-action-penalty comes off the advantage of each step whose reply is malformed (not
-    well_formed: no <action> tag, say); a well-formed but inadmissible action is not penalised.
+    """Per-step advantages (T_i,) of every trajectory of a batch with the chosen estimator; then
+    every estimator's one penalty rule: --invalid-action-penalty comes off the advantage of each
+    malformed reply (not well_formed: no <action> tag, say), not of an inadmissible action.
 
-    proxmo: section 1 (TF-IDF fitted on the whole batch; similarities and baselines within each
-    task group). grpo, gigpo: per task group (section 2). oracle and
-    placebo: GRPO's episode term + omega * the oracle's step values (the env's progress labels,
-    z-scored over the batch; the placebo shuffles them with `generator`, the same permutation on
-    every process); oracle-step: the step values alone."""
+    proxmo: section 1 (TF-IDF on the whole batch; similarities and baselines within each task
+    group). grpo, gigpo: per task group (section 2). oracle, placebo: GRPO's episode term + omega
+    * the oracle's step values (the env's progress, z-scored over the batch; the placebo shuffles
+    them with `generator`, alike on every process); oracle-step: the step values alone."""
     outcomes = [float(t["won"]) for t in summaries]
     rewards = [torch.tensor(t["rewards"], dtype=torch.float64) for t in summaries]
     states = [[s["state"] for s in t["steps"]] for t in summaries]
@@ -313,10 +294,8 @@ def compute_advantages(args: Args, summaries: list[dict],
         advantages = oracle_values
     else:  # grpo, gigpo and the oracle's episode term: one task group at a time
         advantages = [torch.empty(0)] * len(summaries)
-        members: dict = defaultdict(list)  # group id -> its trajectories' indices
-        for i, g in enumerate(groups):
-            members[g].append(i)
-        for idx in members.values():
+        for group in dict.fromkeys(groups):  # each task group, in order of first appearance
+            idx = [i for i, g in enumerate(groups) if g == group]  # its trajectories
             group_outcomes = torch.tensor([outcomes[i] for i in idx], dtype=torch.float64)
             if args.advantage == "gigpo":
                 advs = gigpo_group_advantages(group_outcomes, [rewards[i] for i in idx],
@@ -336,16 +315,14 @@ def compute_advantages(args: Args, summaries: list[dict],
 
 # ---- 3. Policy loss (Eq. 13) --------------------------------------------------------------------
 def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
-    exponential, like k3_kl)."""
+    """(B, L) -> (B, L) pi / pi_old per token; 1 where masked (masked before the exp, as k3_kl)."""
     return torch.exp(torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp)))
 
 
 def k3_kl(ref_logp: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
     """(B, L) -> (B, L) k3 estimate of KL(pi || ref) per token, exp(d) - d - 1 with d = ref - logp
-    ("low_var_kl", clamped to [-10, 10]); 0 at masked positions. The difference is masked before
-    the exponential: a padded position must not overflow to inf, whose gradient is NaN even
-    behind a zero mask."""
+    ("low_var_kl", clamped to [-10, 10]); 0 at masked positions, where d is zeroed before the exp:
+    inf there would give a NaN gradient even behind a zero mask."""
     log_ratio = torch.where(mask.bool(), ref_logp - logp, torch.zeros_like(logp))
     return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10)
 
@@ -354,8 +331,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
                   mask: Tensor, clip_eps: float = 0.2, kl_coef: float = 0.01,
                   entropy: Tensor | None = None, entropy_coef: float = 0.0,
                   clip_ratio_c: float | None = None) -> Tensor:
-    """Token-level clipped surrogate (Eq. 13) + k3 KL to the reference - entropy bonus,
-    token-mean over mask.
+    """Token-level clipped surrogate (Eq. 13) + k3 KL to the reference - entropy bonus, token-mean.
 
     logp, old_logp, ref_logp, mask (and entropy): (B, L); advantages: (B,) one value per step,
     used for every token of its response, or (B, L). Values at masked positions never matter.
@@ -446,9 +422,8 @@ class Args(HarnessArgs):
 
 # The defaults above are the tiny models' (--model tiny, tiny-weak). --model picks one row of
 # PRESETS on top of them: tiny-scratch and tiny-alfworld their own, any other model "real" (a
-# "baseline" row, where a script has one, follows for another --advantage). Fields not in Args
-# above (device, gradient_checkpointing, max_prompt_tokens, ...) are HarnessArgs' in
-# common/config.py, the same for every script.
+# "baseline" row, where a script has one, follows for another --advantage). The harness's own
+# fields (device, max_prompt_tokens, ...) are HarnessArgs', in common/config.py.
 PRESETS = {
     "tiny-scratch": dict(bc_epochs=3),
     "tiny-alfworld": dict(max_episode_steps=50, eval_splits=("valid_unseen",), eval_num_tasks=0),
@@ -468,47 +443,43 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
             temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
             desc: str | None = None, keys: list[tuple] | None = None) -> list[dict]:
-    """Play one game per task in lock-step until all finish (with desc, a progress line every
-    30 s: steps taken, games still going). keys: one per game, where it stands (e.g. seed,
-    "train", iteration, group, episode); step s of game i draws its tokens by (*keys[i], s)
-    (--sampler keyed; common/generation.py), whatever else the batch holds.
+    """Play one game per task in lock-step until all finish (desc: EnvBatch's progress line).
+    keys: one per game, where it stands (e.g. seed, "train", iteration, group, episode); step s of
+    game i draws its tokens by (*keys[i], s) (--sampler keyed), whatever else the batch holds.
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
     probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
-    Each trajectory is a dict:
-      "task" (its text), "task_type", "group" (its group_ids entry), "won", "rewards" [r_t],
-      "steps": one dict per step:
-        "prompt", "response_ids": token ids;
-        "logprobs": of the response tokens as they were sampled (at a temperature > 0 without
-            top-p, as every training rollout; else None);
+    Each trajectory is a dict: "task" (its text), "task_type", "group" (its group_ids entry),
+    "won", "rewards" [r_t], and "steps", one dict per step:
+        "prompt", "response_ids": token ids; "logprobs": of the response tokens as sampled (at a
+            temperature > 0 without top-p, as every training rollout; else None);
         "state": the observation (GiGPO's and ProxMO's anchor text); "admissible": the actions
             the prompt listed; "action": the command executed; "next_state": what it got;
         "valid": the action was admissible (the env's word); "parsed": the reply had an
             <action> tag; "well_formed": is_well_formed (also <think> with --reasoning, no
-            Chinese); "label": the expert's action (behavior cloning), else None.
-    Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
-    expert = expert_rng is not None
-    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
+            Chinese); "label": the expert's action (behavior cloning), else None."""
+    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert_rng is not None,
                             workers=args.env_workers) for t in tasks]
     env_batch = EnvBatch(games, desc, args.max_episode_steps)
     env_batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
-              "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+              "rewards": [], "steps": []} for g, gid in zip(games, group_ids)]
+    histories = [[] for _ in games]  # each game's (observation, action) pairs so far
     while env_batch.active():
         active = env_batch.active()
+        states = {i: env_batch.observations[i] for i in active}
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
-            prompts = [encode_prompt(args, tokenizer, games[i].task_description,
-                                     trajs[i]["history"], env_batch.observations[i], admissible[k],
-                                     len(trajs[i]["steps"]) + 1)
+            prompts = [encode_prompt(args, tokenizer, games[i].task_description, histories[i],
+                                     states[i], admissible[k], len(trajs[i]["steps"]) + 1)
                        for k, i in enumerate(active)]
         with timer("generation"):
-            if expert:
+            if expert_rng is not None:
                 responses = logprobs = [None] * len(active)
-                demos = [envs.noisy_expert(games[i], trajs[i]["history"], args.bc_noise,
-                                           expert_rng) for i in active]
+                demos = [envs.noisy_expert(games[i], histories[i], args.bc_noise, expert_rng)
+                         for i in active]
                 labels = [label for label, _ in demos]  # None: BC skips the step
                 commands = [command for _, command in demos]
                 well_formed = has_action = [True] * len(active)
@@ -525,7 +496,6 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                 labels = [None] * len(active)
                 has_action = [p is not None for p in parsed]
                 well_formed = [is_well_formed(t, args.reasoning) for t in texts]
-        states = {i: env_batch.observations[i] for i in active}
         with timer("env"):
             results = env_batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
@@ -538,10 +508,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                                 "parsed": has_action[k], "well_formed": well_formed[k],
                                 "label": labels[k]})
             tr["rewards"].append(reward)
-            tr["history"].append((states[i], commands[k]))
+            histories[i].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
-    for tr in trajs:
-        del tr["history"]
     return trajs
 
 
@@ -570,17 +538,13 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng,
                     desc=f"expert demonstrations ({len(tasks)} tasks)")
     samples = []
-    for tr in demos:
-        for s in [s for s in tr["steps"] if s["label"] is not None]:
-            response = tokenizer(expert_response(s["label"], args.reasoning),
-                                 add_special_tokens=False).input_ids
-            samples.append((s["prompt"], response + [tokenizer.eos_token_id]))
+    for s in [s for tr in demos for s in tr["steps"] if s["label"] is not None]:
+        reply = tokenizer(expert_response(s["label"], args.reasoning), add_special_tokens=False)
+        samples.append((s["prompt"], reply.input_ids + [tokenizer.eos_token_id]))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
-    window = 16 * args.bc_batch_size
-    batches_per_epoch = sum(math.ceil(min(window, len(samples) - w) / args.bc_batch_size)
-                            for w in range(0, len(samples), window))
-    total_steps = args.bc_epochs * batches_per_epoch
+    window = 16 * args.bc_batch_size  # a multiple of the batch size: ceil(n / size) batches
+    total_steps = args.bc_epochs * math.ceil(len(samples) / args.bc_batch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(total_steps, 1))
     print(f"behavior cloning: {len(demos)} expert trajectories, {len(samples)} steps, "
           f"{args.bc_epochs} epochs, {total_steps} updates")
@@ -635,21 +599,15 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
     actions over all steps, and its mean over trajectories (SPA's definition). With several
     processes each plays its share of the tasks; the stats are of all."""
-    my_tasks, indices = my_share(tasks)  # data parallel: this process's share; one: all
+    games, ids = my_share(tasks, args.eval_draws)  # data parallel: this process's; one: all
     # Each task --eval-draws times. Keyed: episode d of game i draws by (seed, split, i, d), so
     # every evaluation of a seed, at any iteration and in any run, draws alike.
-    games = [task for task in my_tasks for _ in range(args.eval_draws)]
-    ids = [index for index in indices for _ in range(args.eval_draws)]
-    keys = [(args.seed, "eval", split, index, draw) for index in indices
-            for draw in range(args.eval_draws)]
+    keys = episode_keys((args.seed, "eval", split), ids)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         trajs = rollout(args, policy.tokenizer, policy, games, ids, args.eval_temperature,
                         args.eval_top_p, desc=f"eval {split} (steps)", keys=keys)
     trajs, _ = whole_batch([summarize(t) for t in trajs])  # every process's; one: these
-    by_type: dict[str, list[bool]] = defaultdict(list)
-    for t in trajs:
-        by_type[t["task_type"]].append(t["won"])
     steps = [s for t in trajs for s in t["steps"]]
     stats = {f"eval_{split}/success": float(np.mean([t["won"] for t in trajs])),
              f"eval_{split}/grounding": float(np.mean([s["valid"] for s in steps])),
@@ -657,7 +615,8 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
                  [np.mean([s["valid"] for s in t["steps"]]) for t in trajs])),
              f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
              f"eval_{split}/tasks": len({t["group"] for t in trajs})}
-    for task_type, wins in sorted(by_type.items()):
+    for task_type in sorted({t["task_type"] for t in trajs}):
+        wins = [t["won"] for t in trajs if t["task_type"] == task_type]
         stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
     # Per episode, by its task's index in the split: [index, won 0/1, steps] (kept, not logged).
     stats[f"eval_{split}/outcomes"] = sorted([t["group"], int(t["won"]), len(t["steps"])]
@@ -689,25 +648,19 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     responses = [s.response for s in samples]
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     model.eval()  # no dropout in the reference pass
-    # PPO's old log-probs: the sampler's, log softmax(logits / T) of each token as it was drawn
-    # (recorded while sampling, common/generation.py): no scoring pass of the rollout policy.
-    old_logp = [torch.tensor(s.old_logprobs) for s in samples]
-    # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
+    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # the sampler's: no scoring pass
     with timer("ref_logprobs"):
-        ref_logp = old_logp
+        ref_logp = old_logp  # without a KL term it only fills the unused argument
         if args.kl_coef > 0:
             with model.disable_adapter():  # the reference: the start
-                # per sample a (len(response),) tensor, as old_logp: pad_rows lays both out
                 ref_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
     response_lengths = [len(r) for r in responses]
-    # ppo_epochs fresh shuffles of the step samples, each cut into mini-batches of
-    # --minibatch-size (the last may be smaller), one optimizer step each. A mini-batch (common/
-    # dist.py's MiniBatch) has .mine, its members' indices into `samples` (one process: all of
-    # them), .size and .tokens, its samples and response tokens over every process, and .epoch
-    # and .start, where it is.
+    # ppo_epochs fresh shuffles, each cut into mini-batches of --minibatch-size (the last may be
+    # smaller), one optimizer step each. A MiniBatch: .mine, its members' indices into `samples`
+    # (one process: all), .size and .tokens over every process, .epoch and .start, where it is.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
@@ -743,22 +696,19 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
         stats["loss"].append(minibatch_loss)
         stats["grad_norm"].append(grad_norm)
         optimizer.step()
-    means = mean_across_processes(stats)  # every process's micro-batches
-    return {f"train/{k}": v for k, v in means.items()}
+    return {f"train/{k}": v for k, v in mean_across_processes(stats).items()}
 
 
+# The command line (common/config.py): value checks, --model/--env/--advantage presets, parsing.
 def validate_args(args: Args) -> list[str]:
-    """One line per nonsensical value; [] when all are usable (common/config.py)."""
     return config.errors(args, RANGES)
 
 
 def preset_args(model: str = "tiny", env: str = "household", advantage: str | None = None) -> Args:
-    """The defaults for --model, --env and --advantage: PRESETS on the dataclass's."""
     return config.preset_args(Args, PRESETS, model, env, advantage)
 
 
 def parse_args(argv: list[str]) -> Args:
-    """Command line -> Args (common/config.py: presets, and --resume's saved configuration)."""
     return config.parse_args(Args, PRESETS, argv)
 
 
@@ -801,21 +751,18 @@ def main(args: Args) -> dict:
         t0 = time.time()
         timings()  # the clocks restart: evaluations and set-up are not the iteration's
         policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
-        # (1) B tasks, each N times in a row: a group (id: its index in the batch); data parallel:
-        # this process's groups only. (2) lock-step rollouts, (3) 0/1 outcomes: recorded by
-        # rollout, r_t = 1 on the step that wins (the env's reward) and "won".
+        # (1) B tasks x N: a group each (id: its index in the batch), this process's groups only;
+        # (2) lock-step rollouts; (3) 0/1 outcomes: "won", and r_t = 1 on the winning step.
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         tasks, groups = my_share(batch_tasks, args.group_size)
         trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
                         keys=episode_keys((args.seed, "train", iteration), groups))
         rollout_seconds = time.time() - t0
-        # (4) advantages, one scalar per step, computed over the whole batch (ProxMO fits its
-        # TF-IDF on every anchor text of the batch); each process keeps those of its trajectories.
+        # (4) one advantage per step, over the whole batch (TF-IDF too); each process keeps its own
         with timer("advantages"):
             if args.advantage in ORACLES:  # the env's oracle labels every step
                 label_oracle_progress(args, trajs, tasks)
-            # summaries: of every process's trajectories (one process: trajs'); mine: the slice
-            # where trajs' lie among them (group ids are batch-wide: my_share's indices)
+            # summaries: every process's (one process: trajs'); mine: where trajs' lie among them
             summaries, mine = whole_batch([summarize(t) for t in trajs])
             batch_advantages = compute_advantages(args, summaries, generator)
             advantages = batch_advantages[mine]
@@ -845,9 +792,8 @@ def main(args: Args) -> dict:
             run.save(model, start_path, iteration, optimizer=optimizer,
                      generator=generator, task_rng=task_rng)
     progress.close()
-    summary = run.finish()
     policy.close()
-    return summary
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ SPA turns the sparse outcome of an episode into a dense reward per step:
     it (Eqs. 9-10), here over the exploration rollouts themselves, one pass, as the released
     code does. The outcome itself enters the reward only through the c_t.
 
-Departures from the paper and its released code (each with its reason in docs/spa.md,
-"Departures from the paper, in full"):
+Departures from the paper and its code (docs/spa.md, "Departures from the paper, in full"):
   * PE: start weights, a fresh LoRA and Linear(H, 1) on the final-norm state (the code: full
     fine-tuning, a head on the logits); --pe-head mlp: the paper's MLP; scores only the replies.
   * PE training: AdamW, constant rate, no decay or warm-up, clip 1.0 (the code: lr 3e-6, warm-up,
@@ -40,10 +39,8 @@ Run:
 
 Sections: 1 SPA rewards and advantages, 2 progress estimator, 3 policy and value loss, 4 arguments,
 5 rollouts, 6 behavior cloning, 7 evaluation, 8 training loop.
-To read: sections 1-3 tell the method, section 8 the loop (`main`: rollout -> reward ->
-advantage -> update, then `policy_update`); sections 5-7 (rollouts, behavior cloning,
-evaluation) are the harness, the same text in every script, and section 4 the flags: skip them on
-a first read.
+To read: sections 1-3 tell the method, 8 the loop (`main`: rollout -> reward -> advantage ->
+update, then `policy_update`); 4 (the flags) and 5-7 (the harness, alike in every script) can wait.
 """
 
 from __future__ import annotations
@@ -60,8 +57,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep, not spin. The default run takes 40 % longer on
-# 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin (docs/performance.md); yours wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate.utils import gather_object
@@ -83,8 +79,7 @@ from envs.text import (PROMPT_INTRO, encode_prompt, expert_response, is_well_for
                        parse_action)
 
 
-# ---- 1. SPA rewards and advantages (pure functions: lists or tensors in; only the PE's loss ----
-# carries a gradient)
+# ---- 1. SPA rewards and advantages (pure functions; only the PE's loss carries a gradient) -----
 def action_end_positions(assistant_mask: list[int]) -> list[int]:
     """Index of the last 1 in each maximal run of 1s: the token closing each reply, where the PE
     reads c_t (Eq. 5). [0,0,1,1,0,0,1,1,1,0] -> [3, 8]; a mask ending in 1 gives its last index;
@@ -134,8 +129,7 @@ def fused_rewards(contribs: list[float], grounded: list[float], alpha: float = 1
     return rewards
 
 
-# PPO with a critic: GAE, whitening and the grounding terms, the same text in spa.py and hisr.py
-# (tests/test_spa_rewards.py).
+# GAE, whitening and the grounding terms: the same text in spa.py and hisr.py (test_spa_rewards.py)
 def grounding_terms(grounded: Tensor, form: str = "cost") -> Tensor:
     """(m,) grounding flags g (1: the action could be executed, 0: not) -> (m,) float64 terms
     before their weight (SPA's beta, HISR's alpha): "eq8" g as written in Eq. 8, "cost" g - 1
@@ -188,8 +182,7 @@ def whiten_pooled(advantages: list[Tensor]) -> list[Tensor]:
 def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gamma: float = 0.99,
                    lam: float = 0.95, normalize: bool = True,
                    kl_coef: float = 0.0) -> tuple[list[list[float]], list[list[float]]]:
-    """The whole batch: per trajectory fused_rewards (Eq. 8) then gae; with normalize,
-    whiten_pooled over every step of the batch.
+    """The whole batch: fused_rewards (Eq. 8) then gae per trajectory; whiten_pooled if normalize.
 
     batch[i] = {"contribs": (n_i,), "grounded": (n_i,), "values": (n_i,), optional "step_kl"
     (n_i,)}; other keys are ignored. step_kl is used only when kl_coef > 0 (an entry without it
@@ -210,8 +203,7 @@ def spa_advantages(batch: list[dict], alpha: float = 1.0, beta: float = 0.5, gam
 
 def summarize(traj: dict) -> dict:
     """What advantages and logged stats read of a trajectory: no token ids, cheap to gather."""
-    keys = ("state", "next_state", "valid", "well_formed", "parsed", "contrib", "value",
-            "step_kl")
+    keys = ("state", "next_state", "valid", "well_formed", "parsed", "contrib", "value", "step_kl")
     steps = [{k: s[k] for k in keys if k in s} for s in traj["steps"]]
     return {**{k: traj[k] for k in ("task_type", "group", "won", "rewards")}, "steps": steps}
 
@@ -306,8 +298,7 @@ def progress_forward(pe, head, sequences: list[tuple[list[int], list[int]]],
                      pad_id: int) -> list[Tensor]:
     """c_t = head(h_t) (Eq. 5) for each (ids, assistant mask): h_t is the final hidden state at
     the token closing reply t (causal attention: it sees the task and the history up to reply
-    t, not what follows). Returns (n_i,)
-    tensors, with the gradient of the PE's trainable weights when enabled."""
+    t, not what follows). Returns (n_i,) tensors, differentiable when grad is enabled."""
     device = next(head.parameters()).device
     width = max(len(ids) for ids, _ in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -436,8 +427,7 @@ def train_progress_estimator(args: Args, pe, head, tokenizer, trajs: list[dict],
     head.requires_grad_(False)
     stats = {"pe/train_loss": float(np.mean(losses[-batches_per_epoch:])),
              "pe/rollouts": len(train), "pe/skipped_too_long": len(trajs) - len(keep),
-             "pe/skipped_too_long_won": skipped_won,
-             "pe/explore_success": float(outcomes.mean())}
+             "pe/skipped_too_long_won": skipped_won, "pe/explore_success": float(outcomes.mean())}
     if heldout:
         scores = []
         with torch.no_grad():
@@ -560,8 +550,7 @@ def progress_estimator(args: Args, run: Run, pe_start, tokenizer, explore_trajs:
 
 # ---- 3. Policy and value loss (Eq. 10) ----------------------------------------------------------
 def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
-    exponential: a padded position must not overflow)."""
+    """(B, L) -> (B, L) pi / pi_old per token; 1 where masked (masked first: no overflow)."""
     return torch.exp(torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp)))
 
 
@@ -705,9 +694,8 @@ class Args(HarnessArgs):
 
 # The defaults above are the tiny models' (--model tiny, tiny-weak). --model picks one row of
 # PRESETS on top of them: tiny-scratch and tiny-alfworld their own, any other model "real" (a
-# "baseline" row, where a script has one, follows for another --advantage). Fields not in Args
-# above (device, gradient_checkpointing, max_prompt_tokens, ...) are HarnessArgs' in
-# common/config.py, the same for every script.
+# "baseline" row, where a script has one, follows for another --advantage). The harness's own
+# fields (device, max_prompt_tokens, ...) are HarnessArgs', in common/config.py.
 PRESETS = {
     "tiny-scratch": dict(bc_epochs=3),
     "tiny-alfworld": dict(max_episode_steps=50, eval_splits=("valid_unseen",), eval_num_tasks=0),
@@ -733,47 +721,43 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
             temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
             desc: str | None = None, keys: list[tuple] | None = None) -> list[dict]:
-    """Play one game per task in lock-step until all finish (with desc, a progress line every
-    30 s: steps taken, games still going). keys: one per game, where it stands (e.g. seed,
-    "train", iteration, group, episode); step s of game i draws its tokens by (*keys[i], s)
-    (--sampler keyed; common/generation.py), whatever else the batch holds.
+    """Play one game per task in lock-step until all finish (desc: EnvBatch's progress line).
+    keys: one per game, where it stands (e.g. seed, "train", iteration, group, episode); step s of
+    game i draws its tokens by (*keys[i], s) (--sampler keyed), whatever else the batch holds.
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
     probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
-    Each trajectory is a dict:
-      "task" (its text), "task_type", "group" (its group_ids entry), "won", "rewards" [r_t],
-      "steps": one dict per step:
-        "prompt", "response_ids": token ids;
-        "logprobs": of the response tokens as they were sampled (at a temperature > 0 without
-            top-p, as every training rollout; else None);
+    Each trajectory is a dict: "task" (its text), "task_type", "group" (its group_ids entry),
+    "won", "rewards" [r_t], and "steps", one dict per step:
+        "prompt", "response_ids": token ids; "logprobs": of the response tokens as sampled (at a
+            temperature > 0 without top-p, as every training rollout; else None);
         "state": the observation (GiGPO's and ProxMO's anchor text); "admissible": the actions
             the prompt listed; "action": the command executed; "next_state": what it got;
         "valid": the action was admissible (the env's word); "parsed": the reply had an
             <action> tag; "well_formed": is_well_formed (also <think> with --reasoning, no
-            Chinese); "label": the expert's action (behavior cloning), else None.
-    Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
-    expert = expert_rng is not None
-    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
+            Chinese); "label": the expert's action (behavior cloning), else None."""
+    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert_rng is not None,
                             workers=args.env_workers) for t in tasks]
     env_batch = EnvBatch(games, desc, args.max_episode_steps)
     env_batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
-              "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+              "rewards": [], "steps": []} for g, gid in zip(games, group_ids)]
+    histories = [[] for _ in games]  # each game's (observation, action) pairs so far
     while env_batch.active():
         active = env_batch.active()
+        states = {i: env_batch.observations[i] for i in active}
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
-            prompts = [encode_prompt(args, tokenizer, games[i].task_description,
-                                     trajs[i]["history"], env_batch.observations[i], admissible[k],
-                                     len(trajs[i]["steps"]) + 1)
+            prompts = [encode_prompt(args, tokenizer, games[i].task_description, histories[i],
+                                     states[i], admissible[k], len(trajs[i]["steps"]) + 1)
                        for k, i in enumerate(active)]
         with timer("generation"):
-            if expert:
+            if expert_rng is not None:
                 responses = logprobs = [None] * len(active)
-                demos = [envs.noisy_expert(games[i], trajs[i]["history"], args.bc_noise,
-                                           expert_rng) for i in active]
+                demos = [envs.noisy_expert(games[i], histories[i], args.bc_noise, expert_rng)
+                         for i in active]
                 labels = [label for label, _ in demos]  # None: BC skips the step
                 commands = [command for _, command in demos]
                 well_formed = has_action = [True] * len(active)
@@ -790,7 +774,6 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                 labels = [None] * len(active)
                 has_action = [p is not None for p in parsed]
                 well_formed = [is_well_formed(t, args.reasoning) for t in texts]
-        states = {i: env_batch.observations[i] for i in active}
         with timer("env"):
             results = env_batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
@@ -803,10 +786,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                                 "parsed": has_action[k], "well_formed": well_formed[k],
                                 "label": labels[k]})
             tr["rewards"].append(reward)
-            tr["history"].append((states[i], commands[k]))
+            histories[i].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
-    for tr in trajs:
-        del tr["history"]
     return trajs
 
 
@@ -835,17 +816,13 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng,
                     desc=f"expert demonstrations ({len(tasks)} tasks)")
     samples = []
-    for tr in demos:
-        for s in [s for s in tr["steps"] if s["label"] is not None]:
-            response = tokenizer(expert_response(s["label"], args.reasoning),
-                                 add_special_tokens=False).input_ids
-            samples.append((s["prompt"], response + [tokenizer.eos_token_id]))
+    for s in [s for tr in demos for s in tr["steps"] if s["label"] is not None]:
+        reply = tokenizer(expert_response(s["label"], args.reasoning), add_special_tokens=False)
+        samples.append((s["prompt"], reply.input_ids + [tokenizer.eos_token_id]))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
-    window = 16 * args.bc_batch_size
-    batches_per_epoch = sum(math.ceil(min(window, len(samples) - w) / args.bc_batch_size)
-                            for w in range(0, len(samples), window))
-    total_steps = args.bc_epochs * batches_per_epoch
+    window = 16 * args.bc_batch_size  # a multiple of the batch size: ceil(n / size) batches
+    total_steps = args.bc_epochs * math.ceil(len(samples) / args.bc_batch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(total_steps, 1))
     print(f"behavior cloning: {len(demos)} expert trajectories, {len(samples)} steps, "
           f"{args.bc_epochs} epochs, {total_steps} updates")
@@ -900,21 +877,15 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
     actions over all steps, and its mean over trajectories (SPA's definition). With several
     processes each plays its share of the tasks; the stats are of all."""
-    my_tasks, indices = my_share(tasks)  # data parallel: this process's share; one: all
+    games, ids = my_share(tasks, args.eval_draws)  # data parallel: this process's; one: all
     # Each task --eval-draws times. Keyed: episode d of game i draws by (seed, split, i, d), so
     # every evaluation of a seed, at any iteration and in any run, draws alike.
-    games = [task for task in my_tasks for _ in range(args.eval_draws)]
-    ids = [index for index in indices for _ in range(args.eval_draws)]
-    keys = [(args.seed, "eval", split, index, draw) for index in indices
-            for draw in range(args.eval_draws)]
+    keys = episode_keys((args.seed, "eval", split), ids)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         trajs = rollout(args, policy.tokenizer, policy, games, ids, args.eval_temperature,
                         args.eval_top_p, desc=f"eval {split} (steps)", keys=keys)
     trajs, _ = whole_batch([summarize(t) for t in trajs])  # every process's; one: these
-    by_type: dict[str, list[bool]] = defaultdict(list)
-    for t in trajs:
-        by_type[t["task_type"]].append(t["won"])
     steps = [s for t in trajs for s in t["steps"]]
     stats = {f"eval_{split}/success": float(np.mean([t["won"] for t in trajs])),
              f"eval_{split}/grounding": float(np.mean([s["valid"] for s in steps])),
@@ -922,7 +893,8 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
                  [np.mean([s["valid"] for s in t["steps"]]) for t in trajs])),
              f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
              f"eval_{split}/tasks": len({t["group"] for t in trajs})}
-    for task_type, wins in sorted(by_type.items()):
+    for task_type in sorted({t["task_type"] for t in trajs}):
+        wins = [t["won"] for t in trajs if t["task_type"] == task_type]
         stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
     # Per episode, by its task's index in the split: [index, won 0/1, steps] (kept, not logged).
     stats[f"eval_{split}/outcomes"] = sorted([t["group"], int(t["won"]), len(t["steps"])]
@@ -954,9 +926,8 @@ def score_rollouts(args: Args, model, value_head, tokenizer, trajs: list[dict]) 
             for row, value, i in zip(logp.cpu(), values.tolist(), idx):
                 steps[i]["old_logprobs"] = row[:len(steps[i]["response_ids"])]
                 steps[i]["value"] = value
+                steps[i]["step_kl"] = 0.0  # the reference pass below, with a KL term
     with torch.no_grad(), timer("ref_logprobs"):
-        for s in steps:
-            s["step_kl"] = 0.0
         if args.kl_coef > 0:  # without a KL term the reference pass is skipped
             for idx in chunks:
                 with model.disable_adapter():  # the same pass, so a zero adapter gives KL 0
@@ -983,19 +954,16 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
     `samples` is this process's share of the batch, in process order; the mini-batches are drawn
     as one process would draw them, and the update is the sum of every process's gradients."""
     pad, mb = tokenizer.pad_token_id, args.micro_batch_size
-    # The policy PPO scores: softmax(logits / temperature), the old log-probs' too.
-    temperature = args.rollout_temperature
+    temperature = args.rollout_temperature  # the policy PPO scores (its old log-probs too)
     device = next(model.parameters()).device
     lengths = [len(s.prompt) + len(s.response) for s in samples]
     model.train()
     params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
     stats = defaultdict(list)
     response_lengths = [len(s.response) for s in samples]
-    # ppo_epochs fresh shuffles of the step samples, each cut into mini-batches of
-    # --minibatch-size (the last may be smaller), one optimizer step each. A mini-batch (common/
-    # dist.py's MiniBatch) has .mine, its members' indices into `samples` (one process: all of
-    # them), .size and .tokens, its samples and response tokens over every process, and .epoch
-    # and .start, where it is.
+    # ppo_epochs fresh shuffles, each cut into mini-batches of --minibatch-size (the last may be
+    # smaller), one optimizer step each. A MiniBatch: .mine, its members' indices into `samples`
+    # (one process: all), .size and .tokens over every process, .epoch and .start, where it is.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
@@ -1015,11 +983,8 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
             pg_loss = ppo_clip_loss(logp, old, adv, mask, args.clip_eps, entropy,
                                     args.entropy_coef, args.clip_ratio_c)
             vf_loss = value_loss(values, old_values, returns, args.value_clip)
-            # token-mean of the policy loss and step-mean of the value loss over the whole
-            # mini-batch
-            pg_share = pg_loss * mask.sum() / mini.tokens
-            vf_share = vf_loss.sum() / mini.size
-            share = pg_share + args.vf_coef * vf_share
+            # token-mean of the policy loss and step-mean of the value loss over the mini-batch
+            share = pg_loss * mask.sum() / mini.tokens + args.vf_coef * (vf_loss.sum() / mini.size)
             share.backward()
             minibatch_loss += share.item()
             with torch.no_grad():
@@ -1036,8 +1001,7 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
         stats["loss"].append(minibatch_loss)
         stats["grad_norm"].append(grad_norm)
         optimizer.step()
-    means = mean_across_processes(stats)  # every process's micro-batches
-    return {f"train/{k}": v for k, v in means.items()}
+    return {f"train/{k}": v for k, v in mean_across_processes(stats).items()}
 
 
 def batch_stats(batch: list[dict], advantages: list, returns: list) -> dict:
@@ -1054,8 +1018,8 @@ def batch_stats(batch: list[dict], advantages: list, returns: list) -> dict:
             "reward/step_kl_mean": float(np.mean([s["step_kl"] for s in steps]))}
 
 
+# The command line (common/config.py): value checks, --model/--env/--advantage presets, parsing.
 def validate_args(args: Args) -> list[str]:
-    """One line per nonsensical value; [] when all are usable."""
     a = args
     rules = [  # what a range cannot say (common/config.py checks the harness's flags)
         (a.progress_model is None or os.path.isdir(a.progress_model),
@@ -1069,12 +1033,10 @@ def validate_args(args: Args) -> list[str]:
 
 
 def preset_args(model: str = "tiny", env: str = "household", advantage: str | None = None) -> Args:
-    """The defaults for --model, --env and --advantage: PRESETS on the dataclass's."""
     return config.preset_args(Args, PRESETS, model, env, advantage)
 
 
 def parse_args(argv: list[str]) -> Args:
-    """Command line -> Args (common/config.py: presets, and --resume's saved configuration)."""
     return config.parse_args(Args, PRESETS, argv)
 
 
@@ -1115,8 +1077,7 @@ def main(args: Args) -> dict:
     engine = make_vllm_engine(start_path, args) if args.backend == "vllm" else None
     policy = Policy(args, model, tokenizer, engine)
 
-    # Exploration by the start policy (the new adapter is zero) and the progress estimator
-    # (Eqs. 5-7), or the one saved before.
+    # Exploration by the start policy (adapter zero), then the PE (Eqs. 5-7) or the saved one.
     pe = pe_head = None
     t0 = time.time()
     explore_trajs = exploration(args, run, policy, explore_tasks)
@@ -1151,8 +1112,7 @@ def main(args: Args) -> dict:
         else:  # (1) B tasks x N copies, (2) lock-step rollouts of the current policy
             batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
             policy.sync(run.path)
-            # Each task N times, a group (its id: the task's index in the batch); data
-            # parallel: this process's groups only.
+            # Each task N times, a group (id: its index in the batch); this process's groups only.
             tasks, groups = my_share(batch_tasks, args.group_size)
             trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
                             keys=episode_keys((args.seed, "train", iteration), groups))
@@ -1163,10 +1123,9 @@ def main(args: Args) -> dict:
         if pe is not None:
             with timer("progress"):
                 too_long = score_progress(args, pe, pe_head, tokenizer, trajs)
-        # (4) fused rewards (Eq. 8) and GAE over the whole batch (whitened over all of it); each
-        # process keeps the advantages and returns of its trajectories.
+        # (4) fused rewards (Eq. 8) and GAE over the batch, whitened; each process keeps its own
         with timer("advantages"):
-            # batch: every process's trajectories (one process: these); the slice mine: these
+            # batch: every process's (one process: trajs'); mine: where trajs' lie among them
             batch, mine = whole_batch([summarize(t) for t in trajs])
             batch_advantages, batch_returns = compute_advantages(args, batch)
             advantages, returns = batch_advantages[mine], batch_returns[mine]
@@ -1202,9 +1161,8 @@ def main(args: Args) -> dict:
             run.save(model, start_path, iteration, optimizer=optimizer,
                      value_head=value_head, generator=generator, task_rng=task_rng)
     progress.close()
-    summary = run.finish()
     policy.close()
-    return summary
+    return run.finish()
 
 
 if __name__ == "__main__":

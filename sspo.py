@@ -51,10 +51,8 @@ Run:
 
 Sections: 1 state scores and step rewards, 2 the ranked backtracking search, 3 policy loss, 4
 arguments, 5 rollouts, 6 behavior cloning, 7 evaluation, 8 training loop.
-To read: sections 1-3 tell the method, section 8 the loop (`main`: rollout -> reward ->
-advantage -> update, then `policy_update`); sections 5-7 (rollouts, behavior cloning,
-evaluation) are the harness, the same text in every script, and section 4 the flags: skip them on
-a first read.
+To read: sections 1-3 tell the method, 8 the loop (`main`: rollout -> reward -> advantage ->
+update, then `policy_update`); 4 (the flags) and 5-7 (the harness, alike in every script) can wait.
 """
 
 from __future__ import annotations
@@ -72,8 +70,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep, not spin. The default run takes 40 % longer on
-# 2 idle cores, half as long beside a busy process (docs/performance.md). Your setting wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin (docs/performance.md); yours wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate.utils import gather_object
@@ -414,16 +411,14 @@ def search_round(args: Args, tokenizer, policy: Policy, searches: list[dict],
 
 # ---- 3. Policy loss (Eq. 4) ---------------------------------------------------------------------
 def policy_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """(B, L) -> (B, L) pi / pi_old per token, 1 at masked positions (masked before the
-    exponential, like k3_kl)."""
+    """(B, L) -> (B, L) pi / pi_old per token; 1 where masked (masked before the exp, as k3_kl)."""
     return torch.exp(torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp)))
 
 
 def k3_kl(ref_logp: Tensor, logp: Tensor, mask: Tensor) -> Tensor:
     """(B, L) -> (B, L) k3 estimate of KL(pi || ref) per token, exp(d) - d - 1 with d = ref - logp
-    ("low_var_kl", clamped to [-10, 10]); 0 at masked positions. The difference is masked before
-    the exponential: a padded position must not overflow to inf, whose gradient is NaN even
-    behind a zero mask."""
+    ("low_var_kl", clamped to [-10, 10]); 0 at masked positions, where d is zeroed before the exp:
+    inf there would give a NaN gradient even behind a zero mask."""
     log_ratio = torch.where(mask.bool(), ref_logp - logp, torch.zeros_like(logp))
     return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10)
 
@@ -432,8 +427,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor, advantages: 
                   mask: Tensor, clip_eps: float = 0.2, kl_coef: float = 0.01,
                   entropy: Tensor | None = None, entropy_coef: float = 0.0,
                   clip_ratio_c: float | None = None) -> Tensor:
-    """Token-level clipped surrogate (Eq. 4) + k3 KL to the reference - entropy bonus,
-    token-mean over mask.
+    """Token-level clipped surrogate (Eq. 4) + k3 KL to the reference - entropy bonus, token-mean.
 
     logp, old_logp, ref_logp, mask (and entropy): (B, L); advantages: (B,) one value per step,
     used for every token of its response, or (B, L). Values at masked positions never matter.
@@ -539,9 +533,8 @@ class Args(HarnessArgs):
 
 # The defaults above are the tiny models' (--model tiny, tiny-weak). --model picks one row of
 # PRESETS on top of them: tiny-scratch and tiny-alfworld their own, any other model "real" (a
-# "baseline" row, where a script has one, follows for another --advantage). Fields not in Args
-# above (device, gradient_checkpointing, max_prompt_tokens, ...) are HarnessArgs' in
-# common/config.py, the same for every script.
+# "baseline" row, where a script has one, follows for another --advantage). The harness's own
+# fields (device, max_prompt_tokens, ...) are HarnessArgs', in common/config.py.
 PRESETS = {
     "tiny-scratch": dict(bc_epochs=3),
     "tiny-alfworld": dict(max_episode_steps=50, eval_splits=("valid_unseen",), eval_num_tasks=0),
@@ -567,47 +560,43 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
             temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
             desc: str | None = None, keys: list[tuple] | None = None) -> list[dict]:
-    """Play one game per task in lock-step until all finish (with desc, a progress line every
-    30 s: steps taken, games still going). keys: one per game, where it stands (e.g. seed,
-    "train", iteration, group, episode); step s of game i draws its tokens by (*keys[i], s)
-    (--sampler keyed; common/generation.py), whatever else the batch holds.
+    """Play one game per task in lock-step until all finish (desc: EnvBatch's progress line).
+    keys: one per game, where it stands (e.g. seed, "train", iteration, group, episode); step s of
+    game i draws its tokens by (*keys[i], s) (--sampler keyed), whatever else the batch holds.
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
     probability args.bc_noise a mistake is executed instead (envs.noisy_expert).
 
-    Each trajectory is a dict:
-      "task" (its text), "task_type", "group" (its group_ids entry), "won", "rewards" [r_t],
-      "steps": one dict per step:
-        "prompt", "response_ids": token ids;
-        "logprobs": of the response tokens as they were sampled (at a temperature > 0 without
-            top-p, as every training rollout; else None);
+    Each trajectory is a dict: "task" (its text), "task_type", "group" (its group_ids entry),
+    "won", "rewards" [r_t], and "steps", one dict per step:
+        "prompt", "response_ids": token ids; "logprobs": of the response tokens as sampled (at a
+            temperature > 0 without top-p, as every training rollout; else None);
         "state": the observation (GiGPO's and ProxMO's anchor text); "admissible": the actions
             the prompt listed; "action": the command executed; "next_state": what it got;
         "valid": the action was admissible (the env's word); "parsed": the reply had an
             <action> tag; "well_formed": is_well_formed (also <think> with --reasoning, no
-            Chinese); "label": the expert's action (behavior cloning), else None.
-    Timed: "prompts", "generation" and "env" (common/run.py's timer)."""
-    expert = expert_rng is not None
-    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert,
+            Chinese); "label": the expert's action (behavior cloning), else None."""
+    games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert_rng is not None,
                             workers=args.env_workers) for t in tasks]
     env_batch = EnvBatch(games, desc, args.max_episode_steps)
     env_batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
-              "rewards": [], "steps": [], "history": []} for g, gid in zip(games, group_ids)]
+              "rewards": [], "steps": []} for g, gid in zip(games, group_ids)]
+    histories = [[] for _ in games]  # each game's (observation, action) pairs so far
     while env_batch.active():
         active = env_batch.active()
+        states = {i: env_batch.observations[i] for i in active}
         with timer("prompts"):
             admissible = [games[i].admissible_actions() for i in active]
-            prompts = [encode_prompt(args, tokenizer, games[i].task_description,
-                                     trajs[i]["history"], env_batch.observations[i], admissible[k],
-                                     len(trajs[i]["steps"]) + 1)
+            prompts = [encode_prompt(args, tokenizer, games[i].task_description, histories[i],
+                                     states[i], admissible[k], len(trajs[i]["steps"]) + 1)
                        for k, i in enumerate(active)]
         with timer("generation"):
-            if expert:
+            if expert_rng is not None:
                 responses = logprobs = [None] * len(active)
-                demos = [envs.noisy_expert(games[i], trajs[i]["history"], args.bc_noise,
-                                           expert_rng) for i in active]
+                demos = [envs.noisy_expert(games[i], histories[i], args.bc_noise, expert_rng)
+                         for i in active]
                 labels = [label for label, _ in demos]  # None: BC skips the step
                 commands = [command for _, command in demos]
                 well_formed = has_action = [True] * len(active)
@@ -624,7 +613,6 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                 labels = [None] * len(active)
                 has_action = [p is not None for p in parsed]
                 well_formed = [is_well_formed(t, args.reasoning) for t in texts]
-        states = {i: env_batch.observations[i] for i in active}
         with timer("env"):
             results = env_batch.step(dict(zip(active, commands)))
         for k, i in enumerate(active):
@@ -637,10 +625,8 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                                 "parsed": has_action[k], "well_formed": well_formed[k],
                                 "label": labels[k]})
             tr["rewards"].append(reward)
-            tr["history"].append((states[i], commands[k]))
+            histories[i].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
-    for tr in trajs:
-        del tr["history"]
     return trajs
 
 
@@ -669,17 +655,13 @@ def behavior_cloning(args: Args, model, tokenizer, train_tasks: list) -> dict:
     demos = rollout(args, tokenizer, None, tasks, list(range(len(tasks))), 0.0, expert_rng=rng,
                     desc=f"expert demonstrations ({len(tasks)} tasks)")
     samples = []
-    for tr in demos:
-        for s in [s for s in tr["steps"] if s["label"] is not None]:
-            response = tokenizer(expert_response(s["label"], args.reasoning),
-                                 add_special_tokens=False).input_ids
-            samples.append((s["prompt"], response + [tokenizer.eos_token_id]))
+    for s in [s for tr in demos for s in tr["steps"] if s["label"] is not None]:
+        reply = tokenizer(expert_response(s["label"], args.reasoning), add_special_tokens=False)
+        samples.append((s["prompt"], reply.input_ids + [tokenizer.eos_token_id]))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.bc_learning_rate, weight_decay=0.0)
-    window = 16 * args.bc_batch_size
-    batches_per_epoch = sum(math.ceil(min(window, len(samples) - w) / args.bc_batch_size)
-                            for w in range(0, len(samples), window))
-    total_steps = args.bc_epochs * batches_per_epoch
+    window = 16 * args.bc_batch_size  # a multiple of the batch size: ceil(n / size) batches
+    total_steps = args.bc_epochs * math.ceil(len(samples) / args.bc_batch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(total_steps, 1))
     print(f"behavior cloning: {len(demos)} expert trajectories, {len(samples)} steps, "
           f"{args.bc_epochs} epochs, {total_steps} updates")
@@ -734,21 +716,15 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     """Success rate overall and per task type, and grounding accuracy: the share of admissible
     actions over all steps, and its mean over trajectories (SPA's definition). With several
     processes each plays its share of the tasks; the stats are of all."""
-    my_tasks, indices = my_share(tasks)  # data parallel: this process's share; one: all
+    games, ids = my_share(tasks, args.eval_draws)  # data parallel: this process's; one: all
     # Each task --eval-draws times. Keyed: episode d of game i draws by (seed, split, i, d), so
     # every evaluation of a seed, at any iteration and in any run, draws alike.
-    games = [task for task in my_tasks for _ in range(args.eval_draws)]
-    ids = [index for index in indices for _ in range(args.eval_draws)]
-    keys = [(args.seed, "eval", split, index, draw) for index in indices
-            for draw in range(args.eval_draws)]
+    keys = episode_keys((args.seed, "eval", split), ids)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         trajs = rollout(args, policy.tokenizer, policy, games, ids, args.eval_temperature,
                         args.eval_top_p, desc=f"eval {split} (steps)", keys=keys)
     trajs, _ = whole_batch([summarize(t) for t in trajs])  # every process's; one: these
-    by_type: dict[str, list[bool]] = defaultdict(list)
-    for t in trajs:
-        by_type[t["task_type"]].append(t["won"])
     steps = [s for t in trajs for s in t["steps"]]
     stats = {f"eval_{split}/success": float(np.mean([t["won"] for t in trajs])),
              f"eval_{split}/grounding": float(np.mean([s["valid"] for s in steps])),
@@ -756,7 +732,8 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
                  [np.mean([s["valid"] for s in t["steps"]]) for t in trajs])),
              f"eval_{split}/episode_length": float(np.mean([len(t["steps"]) for t in trajs])),
              f"eval_{split}/tasks": len({t["group"] for t in trajs})}
-    for task_type, wins in sorted(by_type.items()):
+    for task_type in sorted({t["task_type"] for t in trajs}):
+        wins = [t["won"] for t in trajs if t["task_type"] == task_type]
         stats[f"eval_{split}/success_{envs.SHORT_TYPE_NAMES[task_type]}"] = float(np.mean(wins))
     # Per episode, by its task's index in the split: [index, won 0/1, steps] (kept, not logged).
     stats[f"eval_{split}/outcomes"] = sorted([t["group"], int(t["won"]), len(t["steps"])]
@@ -788,25 +765,19 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     responses = [s.response for s in samples]
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     model.eval()  # no dropout in the reference pass
-    # PPO's old log-probs: the sampler's, log softmax(logits / T) of each token as it was drawn
-    # (recorded while sampling, common/generation.py): no scoring pass of the rollout policy.
-    old_logp = [torch.tensor(s.old_logprobs) for s in samples]
-    # Without a KL term the reference pass is skipped; old_logp only fills the unused argument.
+    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # the sampler's: no scoring pass
     with timer("ref_logprobs"):
-        ref_logp = old_logp
+        ref_logp = old_logp  # without a KL term it only fills the unused argument
         if args.kl_coef > 0:
             with model.disable_adapter():  # the reference: the start
-                # per sample a (len(response),) tensor, as old_logp: pad_rows lays both out
                 ref_logp = scored_logprobs(model, prompts, responses, pad, mb, temperature)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     stats = defaultdict(list)
     response_lengths = [len(r) for r in responses]
-    # ppo_epochs fresh shuffles of the step samples, each cut into mini-batches of
-    # --minibatch-size (the last may be smaller), one optimizer step each. A mini-batch (common/
-    # dist.py's MiniBatch) has .mine, its members' indices into `samples` (one process: all of
-    # them), .size and .tokens, its samples and response tokens over every process, and .epoch
-    # and .start, where it is.
+    # ppo_epochs fresh shuffles, each cut into mini-batches of --minibatch-size (the last may be
+    # smaller), one optimizer step each. A MiniBatch: .mine, its members' indices into `samples`
+    # (one process: all), .size and .tokens over every process, .epoch and .start, where it is.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
@@ -842,8 +813,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
         stats["loss"].append(minibatch_loss)
         stats["grad_norm"].append(grad_norm)
         optimizer.step()
-    means = mean_across_processes(stats)  # every process's micro-batches
-    return {f"train/{k}": v for k, v in means.items()}
+    return {f"train/{k}": v for k, v in mean_across_processes(stats).items()}
 
 
 def grpo_iteration(args: Args, tokenizer, policy: Policy, model, optimizer, batch_tasks: list,
@@ -853,14 +823,13 @@ def grpo_iteration(args: Args, tokenizer, policy: Policy, model, optimizer, batc
     trajectories'), (5, 6) reference log-probs and the clipped policy-gradient update. Returns
     the iteration's logged stats."""
     t0 = time.time()
-    # Each task N times, a group (its id: the task's index in the batch); data
-    # parallel: this process's groups only.
+    # Each task N times, a group (id: its index in the batch); this process's groups only.
     tasks, groups = my_share(batch_tasks, args.group_size)
     trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
                     keys=episode_keys((args.seed, "train", iteration), groups))
     rollout_seconds = time.time() - t0
     with timer("advantages"):
-        # batch: every process's trajectories (one process: these); the slice mine: these
+        # batch: every process's (one process: trajs'); mine: where trajs' lie among them
         batch, mine = whole_batch([summarize(t) for t in trajs])
         batch_advantages = compute_advantages(args, batch)
         advantages = batch_advantages[mine]
@@ -962,18 +931,16 @@ def search_and_learn(args: Args, tokenizer, policy: Policy, model, optimizer, ta
     return out
 
 
+# The command line (common/config.py): value checks, --model/--env/--advantage presets, parsing.
 def validate_args(args: Args) -> list[str]:
-    """One line per nonsensical value; [] when all are usable (common/config.py)."""
     return config.errors(args, RANGES)
 
 
 def preset_args(model: str = "tiny", env: str = "household", advantage: str | None = None) -> Args:
-    """The defaults for --model, --env and --advantage: PRESETS on the dataclass's."""
     return config.preset_args(Args, PRESETS, model, env, advantage)
 
 
 def parse_args(argv: list[str]) -> Args:
-    """Command line -> Args (common/config.py: presets, and --resume's saved configuration)."""
     # A run from before R_succ 10 paid 1.
     return config.parse_args(Args, PRESETS, argv, old_defaults={"success_reward": 1.0})
 
@@ -1051,9 +1018,8 @@ def main(args: Args) -> dict:
                      generator=generator, task_rng=task_rng,
                      table={"counts": counts, "t": table.t})
     progress.close()
-    summary = run.finish()
     policy.close()
-    return summary
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -181,7 +181,9 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
     if unknown:
         raise UsageError(f"--resume {known.resume}: its config.json has settings this version of "
                          f"the script does not know: {', '.join(unknown)}")
-    damaged = saved_value_errors(Args, saved)
+    hints = typing.get_type_hints(Args)  # values their fields cannot hold: a string seed, a NaN
+    damaged = [f"{name} is {value!r}" for name, value in saved.items()
+               if name in hints and not _fits(value, hints[name])]
     if edited and not damaged:  # a key deleted, or a value changed that still fits its type
         damaged = ["its settings are not the ones the script wrote: their digest differs"]
     if damaged:
@@ -222,24 +224,12 @@ def _fits(value, hint) -> bool:
         return any(_fits(value, option) for option in options)
     if origin in (tuple, list):
         return isinstance(value, (list, tuple)) and all(_fits(v, options[0]) for v in value)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
         return (isinstance(value, (int, float)) and not isinstance(value, bool)
                 and math.isfinite(value))
     return isinstance(value, hint) if isinstance(hint, type) else True
-
-
-def saved_value_errors(Args, saved: dict) -> list[str]:
-    """The settings of a saved configuration whose values their fields cannot hold (a string
-    seed, a null step count, a NaN rate), one each."""
-    hints = typing.get_type_hints(Args)
-    return [f"{name} is {value!r}" for name, value in saved.items()
-            if name in hints and not _fits(value, hints[name])]
 
 
 # The harness's ranges, the same in every script; a script adds its method's. A range is ">= x",

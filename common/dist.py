@@ -102,15 +102,12 @@ def minibatches(response_lengths: list[int], size: int, epochs: int,
     batch, the shuffle is one process's draw of the whole batch, and each process gets the
     members of each mini-batch it holds (`mine`), with the mini-batch's size and token count over
     all processes, so that summed gradients are the whole mini-batch's."""
-    dist = PartialState()
-    by_process = gather_object([response_lengths])  # every process's, in process order
-    first = sum(len(c) for c in by_process[:dist.process_index])
-    lengths = [n for c in by_process for n in c]
+    lengths, where = whole_batch(response_lengths)  # every process's, and where this one's lie
     for epoch in range(epochs):
         order = torch.randperm(len(lengths), generator=generator).tolist()
         for start in range(0, len(order), size):
             members = order[start:start + size]  # indices into the whole batch
-            mine = [i - first for i in members if first <= i < first + len(response_lengths)]
+            mine = [i - where.start for i in members if where.start <= i < where.stop]
             yield MiniBatch(epoch, start, mine, len(members), sum(lengths[i] for i in members))
 
 

@@ -21,7 +21,8 @@ import torch
 from accelerate import PartialState
 
 from common import UsageError
-from common.model import eos_token_ids, pad_prompt_response, response_logprobs
+from common.model import (eos_token_ids, length_sorted_chunks, pad_prompt_response,
+                          response_logprobs)
 
 
 def sampling_config(*, temperature: float, top_p: float, max_new_tokens: int, eos_ids: list[int],
@@ -193,13 +194,10 @@ def _prefilled_cache(model, prompts: list[list[int]], width: int, pad_id: int, d
     from transformers.cache_utils import DynamicLayer
 
     distinct = list(dict.fromkeys(tuple(p) for p in prompts))
-    # A one-token prompt has nothing to cache: its slot stays padding.
-    by_length = sorted((k for k in range(len(distinct)) if len(distinct[k]) > 1),
-                       key=lambda k: len(distinct[k]))
+    cached = [k for k, p in enumerate(distinct) if len(p) > 1]  # one token: its slot stays padding
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    for start in range(0, len(by_length), PREFILL_ROWS):
-        group = by_length[start:start + PREFILL_ROWS]
+    for group in length_sorted_chunks(cached, [len(p) for p in distinct], PREFILL_ROWS):
         heads = [distinct[k][:-1] for k in group]
         group_width = max(len(h) for h in heads)
         ids, mask, position_ids, _, _ = pad_prompt_response(heads, [[]] * len(heads), pad_id)
@@ -357,17 +355,11 @@ class ContinuousBatching:
         inner = self.model
         if hasattr(inner, "get_base_model"):  # a peft model: the engine drives the LoRA'd model
             inner = inner.get_base_model()
-        cpu_state = torch.get_rng_state()
-        cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
             manager = inner.init_continuous_batching(generation_config=config,
                                                      continuous_batching_config=cb_config,
                                                      workload_hints=hints)
             manager.warmup()  # builds the cache and the batch processor, which reseeds torch
-        finally:
-            torch.set_rng_state(cpu_state)
-            if cuda_states is not None:
-                torch.cuda.set_rng_state_all(cuda_states)
         processors = {type(p).__name__ for p in manager.logit_processor.logits_processor}
         if not processors <= self.SAMPLING_PROCESSORS:  # anything else would change the policy
             manager.destroy()

@@ -77,11 +77,9 @@ def build_tiny_model(vocab_size: int, seed: int, hidden_size: int = 128, num_lay
                          num_attention_heads=8, num_key_value_heads=4,
                          max_position_embeddings=2048, tie_word_embeddings=True,
                          rope_theta=10000.0)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    torch.random.set_rng_state(state)
-    return model
+    with torch.random.fork_rng(devices=[]):  # the caller's CPU stream goes on as it was
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config)
 
 
 def resolve_model_name(name: str) -> list[str]:
