@@ -963,7 +963,8 @@ def reward_models_stage(args: Args, run: Run, policy: Policy, start_model,
               f"{stats['hindsight/heldout_nll_hindsight']:.4f} (the policy: "
               f"{stats['hindsight/heldout_nll_start_policy']:.4f})")
     run.log(stats, 0)
-    save_part(path, lambda folder: save_reward_models(folder, sprm, head, hindsight, args))
+    save_part(path, lambda folder: save_reward_models(folder, sprm, head, hindsight, args),
+              reuse="--reward-models")
     return sprm, head, hindsight
 
 

@@ -544,7 +544,8 @@ def progress_estimator(args: Args, run: Run, pe_start, tokenizer, explore_trajs:
     print(f"progress estimator done in {stats['pe/seconds']:.0f}s: exploration success "
           f"{stats['pe/explore_success']:.3f}, train loss {stats['pe/train_loss']:.4f}{fit}")
     run.log(stats, 0)
-    save_part(path, lambda folder: save_progress_estimator(folder, pe, head, start_path))
+    save_part(path, lambda folder: save_progress_estimator(folder, pe, head, start_path),
+              reuse="--progress-model")
     return pe, head
 
 

@@ -37,6 +37,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -153,15 +154,21 @@ def run_name(estimator: str, seed: int) -> str:
     return f"{estimator}-seed{seed}"
 
 
-def read_json(path: str, remedy: str) -> dict:
-    """A record, summary or config; a damaged one is refused by name, with `remedy`."""
+def read_json(path: str, remedy: str, needs: tuple[str, ...] = ()) -> dict:
+    """A record, summary or config; a missing or damaged one (not a JSON object, or without a
+    key of `needs`) is refused by name, with `remedy`."""
     try:
         with open(path) as f:
             value = json.load(f)
+    except FileNotFoundError:
+        refuse(f"{path} is missing; {remedy}")
     except ValueError as e:  # json.JSONDecodeError
         refuse(f"{path} is damaged ({e}); {remedy}")
     if not isinstance(value, dict):
         refuse(f"{path} is damaged (not a JSON object); {remedy}")
+    missing = [key for key in needs if key not in value]
+    if missing:
+        refuse(f"{path} is damaged (no {', '.join(missing)}); {remedy}")
     return value
 
 
@@ -217,8 +224,8 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
     for: a run directory is never taken on trust."""
     run_path = os.path.dirname(summary_file)
     again = "delete the run directory to run it again"
-    summary = read_json(summary_file, again)
-    config = read_json(os.path.join(run_path, "config.json"), again)
+    summary = read_json(summary_file, again, needs=("evaluations",))
+    config = read_json(os.path.join(run_path, "config.json"), again, needs=("args", "command"))
     ran = config["args"]
     wanted = {"advantage": estimator, "seed": seed, "eval_splits": [split],
               "eval_num_tasks": eval_num_tasks}
@@ -383,11 +390,21 @@ def start_or_resume(command: list[str], run_dir: str, runs_dir: str, name: str) 
     log_file = os.path.join(runs_dir, name + ".log")
     print(f"[{time.strftime('%H:%M:%S')}] {' '.join(command)}", flush=True)
     with open(log_file, "a" if unfinished else "w") as log:
-        result = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    if result.returncode != 0:
+        run = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = run.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the run too (one process group): it stops, and logs how to resume.
+            try:
+                run.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # the signal was this process's alone
+                run.send_signal(signal.SIGINT)
+                run.wait()
+            raise
+    if returncode != 0:
         with open(log_file) as f:
             tail = f.read()[-2000:]
-        raise SystemExit(f"run failed (exit {result.returncode}), log {log_file}:\n{tail}")
+        raise SystemExit(f"run failed (exit {returncode}), log {log_file}:\n{tail}")
     summaries = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")),
                        key=os.path.getmtime)
     return summaries[-1]
@@ -755,14 +772,19 @@ def main(argv: list[str]) -> str:
         os.makedirs(records_dir, exist_ok=True)
         write_text(os.path.join(records_dir, "table.md"), f"flags: {' '.join(as_taken(flags))}; "
                    f"seeds {seeds}; split {args.split}\n\n{markdown}\n")
-    except OSError as e:
+        plot(args.script, args.split, results, pairs, os.path.join(records_dir, "learning.png"))
+    except OSError as e:  # a full disk, say: the records are kept, the table is printed
         print(markdown)
-        raise SystemExit(f"error: cannot write {records_dir}/table.md ({e}); the table is above")
-    plot(args.script, args.split, results, pairs, os.path.join(records_dir, "learning.png"))
+        raise SystemExit(f"error: cannot write in {records_dir} ({e}); the table is above")
     print(markdown)
     print(f"(records, table.md and learning.png in {records_dir}; runs and logs in {runs_dir})")
     return markdown
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:  # the runs are kept: a run resumes from its last checkpoint
+        print("\ninterrupted; the same command goes on from the records and each unfinished "
+              "run's last checkpoint", file=sys.stderr)
+        sys.exit(130)

@@ -28,6 +28,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict
@@ -264,15 +265,18 @@ def seal(path: str) -> None:
         write_json(f"{path}.sha256", {os.path.basename(path): _sha256(path)})
 
 
-def save_part(path: str, write) -> None:
+def save_part(path: str, write, reuse: str = "") -> None:
     """A method's own part saved at `path` (a file or folder) by write(path) on the main process,
     then sealed; a write that fails (a full disk) removes what it wrote and stops the run on
-    every process (RunStopped)."""
+    every process (RunStopped). `reuse`: the flag by which a new run reuses it, said when the
+    run stops before its first checkpoint."""
     failed = None
     if PartialState().is_main_process:
         try:
             write(path)
             seal(path)
+            if reuse and Run.opened is not None:
+                Run.opened.kept.append(f"{reuse} {path}")
         except (OSError, RuntimeError, SafetensorError) as e:  # torch.save's full disk: Runtime
             shutil.rmtree(path, ignore_errors=True)
             for leftover in (path, f"{path}.sha256"):
@@ -325,6 +329,16 @@ def _flush_tree(path: str, files: bool = True) -> None:
         os.close(fd)
 
 
+def _quiet_log_thread(hook):
+    """threading.excepthook, but silent on the OSError (a full disk) of TensorBoard's writer
+    thread: the next Run.log stops the run with one line naming it."""
+    def quiet(failed) -> None:
+        writer = type(failed.thread).__name__ == "_AsyncWriterThread"
+        if not (writer and issubclass(failed.exc_type, OSError)):
+            hook(failed)
+    return quiet
+
+
 def interrupted(what: str = "interrupted") -> str:
     """What to say when a run stops (Ctrl-C, or `what` else): how to go on from its last
     checkpoint."""
@@ -333,8 +347,9 @@ def interrupted(what: str = "interrupted") -> str:
         return f"{what} before the run directory was made; nothing was kept"
     command = f"python {run.script} --resume {run.path}"
     if not os.path.exists(run.checkpoint):
+        kept = "".join(f"{flag} reuses what it kept; " for flag in run.kept)
         return (f"{what} before the first checkpoint of {run.path}; start the run again "
-                f"(or save sooner with --save-every)")
+                f"({kept}or save sooner with --save-every)")
     try:
         state = torch.load(os.path.join(run.checkpoint, "trainer_state.pt"), weights_only=False)
         iteration = state.get("iteration", "?")
@@ -441,6 +456,7 @@ class Run:
         self.base_weights = None  # weights_digest of the base the adapter trains on (keep_base)
         self.config = None  # config.json's content while it waits to be written
         self.history: dict = {}  # iteration -> its evaluations' stats (summary.json's)
+        self.kept: list[str] = []  # "<flag> <path>": its own parts a new run can reuse (save_part)
         if args.resume:
             self._take_lock()  # before anything is read: a run still going is not resumed
             try:
@@ -478,9 +494,13 @@ class Run:
             self._relink()  # killed between two renames of a save: its newest whole checkpoint
         self.dist.wait_for_everyone()
         if not os.path.isfile(file):
+            parts = [name for name in sorted(os.listdir(resume)) if not name.startswith(
+                "checkpoint") and os.path.isfile(os.path.join(resume, name, CHECKSUMS))]
+            kept = (f"; its own saved {', '.join(parts)} can start a new run (the script's "
+                    "--help names the flag)" if parts else "")
             raise UsageError(f"--resume {resume}: no checkpoint/trainer_state.pt in it (stopped "
                              f"before its first save, every --save-every {self.args.save_every} "
-                             "iterations): nothing to resume, start the run again")
+                             f"iterations): nothing to resume, start the run again{kept}")
         if not os.path.isfile(os.path.join(self.checkpoint, "adapter_config.json")):
             raise UsageError(f"--resume {resume}: its checkpoint has no adapter_config.json")
         damaged = checksum_errors(os.path.realpath(self.checkpoint))
@@ -510,7 +530,11 @@ class Run:
             raise UsageError(f"--resume {resume}: its checkpoint was saved by another run "
                              f"({'; '.join(differ[:4])}); a checkpoint resumes only the run "
                              "that saved it")
-        finished = os.path.isfile(self.file("summary.json"))
+        try:  # a summary that cannot be read is written again
+            with open(self.file("summary.json")) as f:
+                finished = isinstance(json.load(f), dict)
+        except (OSError, ValueError):
+            finished = False
         # A run stopped after its last checkpoint and before its summary resumes to finish.
         if state["iteration"] > self.args.iterations or (
                 state["iteration"] == self.args.iterations and finished):
@@ -704,6 +728,7 @@ class Run:
         # after it (TensorBoard's purge): every iteration keeps one value, the resumed run's.
         purge = self.state["iteration"] + 1 if self.state else None
         self.writer = SummaryWriter(self.path, purge_step=purge)
+        threading.excepthook = _quiet_log_thread(threading.excepthook)
         self.writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
             f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
 
@@ -777,10 +802,11 @@ class Run:
             # own error. The last complete checkpoint is intact.
             except (OSError, RuntimeError, SafetensorError) as e:
                 free = shutil.disk_usage(self.path).free
+                last = (f"the last complete one is {os.path.realpath(self.checkpoint)}"
+                        if os.path.exists(self.checkpoint) else "it was the run's first")
                 failed = (f"iteration {iteration}: the checkpoint could not be written "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
-                          f"{free} bytes free there); the last complete one is "
-                          f"{os.path.realpath(self.checkpoint)}")
+                          f"{free} bytes free there); {last}")
         failed = broadcast_object_list([failed])[0]  # every process stops, or none
         if failed:
             raise RunStopped(failed)

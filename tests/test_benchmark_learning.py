@@ -2,12 +2,15 @@
 protocol at a tiny size (two estimators x two seeds, a few tasks), resumed from its records, so
 that the script cannot rot."""
 
+import glob
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -309,6 +312,26 @@ def test_a_results_or_runs_folder_under_a_file_is_refused_before_the_first_run(f
     assert not (tmp_path / "runs").exists() and not (tmp_path / "records").exists()
 
 
+@pytest.mark.parametrize("summary, config, says", [
+    ({"evaluations": {}}, None, "config.json is missing"),
+    ({"evaluations": {}}, {"command": "python proxmo.py"}, "config.json is damaged (no args)"),
+    ({"minutes": 1.0}, {"args": {}, "command": "x"}, "summary.json is damaged (no evaluations)"),
+])
+def test_a_finished_run_with_a_damaged_summary_or_config_is_refused_by_name(summary, config, says,
+                                                                            tmp_path, capsys):
+    """A run directory without a record yet: its summary.json and config.json are read to make
+    one, and one that lacks what a record needs is one line naming it, not a traceback."""
+    import learning
+
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as stop:
+        learning.make_record(str(tmp_path / "summary.json"), "proxmo.py", "proxmo", 1, "test", 4,
+                             [])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
 def _whole_record(**end):
     stats = {"eval_test/success": 0.5, "eval_test/grounding": 0.6, "eval_test/episode_length": 20}
     return {"minutes": 10.0, "evaluations": {"0": dict(stats), "20": {**stats, **end}}}
@@ -411,17 +434,50 @@ def test_an_unfinished_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     (run_dir / "proxmo__a" / "checkpoint" / "trainer_state.pt").write_text("")
     ran = []
 
-    def fake(command, **kwargs):
-        ran.append(command)
-        (run_dir / "proxmo__a" / "summary.json").write_text("{}")
-        return subprocess.CompletedProcess(command, 0)
+    class Finished:  # the run, as subprocess.Popen would start it
+        def __init__(self, command, **kwargs):
+            ran.append(command)
+            (run_dir / "proxmo__a" / "summary.json").write_text("{}")
 
-    monkeypatch.setattr(learning.subprocess, "run", fake)
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(learning.subprocess, "Popen", Finished)
     command = ["python", "proxmo.py", "--advantage", "grpo", "--iterations", "60"]
     summary = start_or_resume(command, str(run_dir), str(tmp_path), "grpo-seed1")
     assert ran == [["python", "proxmo.py", "--resume", str(run_dir / "proxmo__a"),
                     "--iterations", "60"]]
     assert summary == str(run_dir / "proxmo__a" / "summary.json")
+
+
+def test_ctrl_c_stops_the_protocol_with_one_line_and_its_run_resumes(tmp_path):
+    """Ctrl-C to the protocol's process group while a run goes on: learning.py waits for the run
+    to stop (its log says how to resume), says the same command goes on, exit status 130; the
+    same command then resumes the run from its checkpoint and records it."""
+    command = [sys.executable, "benchmarks/learning.py", "--estimators", "grpo", "--seeds", "1",
+               "--split", "valid", "--eval-num-tasks", "2", "--results", str(tmp_path / "records"),
+               "--runs", str(tmp_path / "runs"), "--", "--iterations", "3",
+               "--tasks-per-iteration", "2", "--group-size", "2", "--max-episode-steps", "5",
+               "--save-every", "1"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    protocol = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for _ in range(1200):
+        if glob.glob(str(tmp_path / "runs" / "**" / "checkpoint"), recursive=True) or (
+                protocol.poll() is not None):
+            break
+        time.sleep(0.2)
+    os.killpg(protocol.pid, signal.SIGINT)
+    _, stderr = protocol.communicate(timeout=600)
+    assert protocol.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert "interrupted; the same command goes on" in stderr
+    (log,) = glob.glob(str(tmp_path / "runs" / "**" / "grpo-seed1.log"), recursive=True)
+    assert "Resume with: python" in open(log).read()
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0 and "--resume" in again.stdout, again.stderr[-2000:]
+    assert (tmp_path / "records" / "grpo-seed1.json").is_file()
 
 
 def test_a_run_another_process_is_running_is_skipped(tmp_path, monkeypatch, capsys):

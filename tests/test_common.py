@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -680,6 +681,27 @@ def test_a_part_that_cannot_be_saved_stops_the_run_and_leaves_nothing(tmp_path):
     with pytest.raises(RunStopped, match="rollouts.pt could not be written .RuntimeError"):
         save_part(str(tmp_path / "rollouts.pt"), truncated)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_in_tensorboards_writer_thread_prints_no_traceback():
+    """The writer's thread meets a full disk first and raises there; Run.log then stops the run
+    with one line, so the thread's own traceback is not printed. Any other thread's error, or
+    the writer's other errors, still reach the hook."""
+    from types import SimpleNamespace
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    from common.run import _quiet_log_thread
+
+    seen = []
+    hook = _quiet_log_thread(seen.append)
+    writer = _AsyncWriterThread.__new__(_AsyncWriterThread)
+    cases = [SimpleNamespace(exc_type=OSError, thread=writer),
+             SimpleNamespace(exc_type=ValueError, thread=writer),
+             SimpleNamespace(exc_type=OSError, thread=threading.Thread())]
+    for failed in cases:
+        hook(failed)
+    assert seen == cases[1:]
 
 
 def test_write_text_leaves_the_old_file_and_no_partial_on_a_full_disk(tmp_path, monkeypatch):

@@ -214,8 +214,9 @@ def test_a_save_killed_between_its_renames_resumes_from_its_whole_checkpoint(tmp
 
 def test_a_run_stopped_before_its_summary_resumes_to_finish_it(tmp_path):
     """Stopped after its last checkpoint and before summary.json (the same state as a summary
-    deleted): --resume writes the summary the run would have written, and then the run is
-    finished, so a second resume is refused. The lock is on the directory: no file stays."""
+    deleted, or one left truncated): --resume writes the summary the run would have written, and
+    then the run is finished, so a second resume is refused. The lock is on the directory: no
+    file stays."""
     run(["--iterations", "1", "--run-dir", str(tmp_path / "runs"), *SMALL], tmp_path)
     (run_path,) = glob.glob(str(tmp_path / "runs" / "*"))
     summary_file = os.path.join(run_path, "summary.json")
@@ -230,6 +231,11 @@ def test_a_run_stopped_before_its_summary_resumes_to_finish_it(tmp_path):
     assert again["final_success"] == whole["final_success"]
     done = run(["--resume", run_path], tmp_path, expect=2)
     assert "already did 1 iterations" in done.stderr
+    with open(summary_file, "r+") as f:  # truncated, as a disk fault leaves it: written again
+        f.truncate(100)
+    run(["--resume", run_path], tmp_path)
+    with open(summary_file) as f:
+        assert json.load(f)["evaluations"] == whole["evaluations"]
 
 
 def test_a_checkpoint_or_start_not_as_saved_is_refused_by_name(tmp_path):
@@ -413,6 +419,32 @@ def test_a_full_disk_at_the_logs_or_the_summary_stops_with_one_line(tmp_path, mo
     with pytest.raises(RunStopped, match="the run's summary cannot be written .*No space"):
         run_.finish()
     assert not [name for name in os.listdir(run_.path) if name.startswith("summary")]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_names_the_parts_it_kept(tmp_path,
+                                                                           monkeypatch):
+    """SPA's progress model or HISR's reward models saved, then the run stopped before its first
+    checkpoint: Ctrl-C's message names the flag that reuses them, and --resume, refused, names
+    them too."""
+    import common.run
+    import proxmo
+    from common import UsageError
+
+    monkeypatch.setattr(common.run.Run, "opened", None)
+    run_ = common.run.Run(proxmo.Args(run_dir=str(tmp_path)), "proxmo.py")
+    run_.open()
+    part = os.path.join(run_.path, "progress_model")
+
+    def write(folder):
+        os.makedirs(folder)
+        torch.save({"w": torch.zeros(2)}, os.path.join(folder, "head.pt"))
+
+    common.run.save_part(part, write, reuse="--progress-model")
+    assert (f"start the run again (--progress-model {part} reuses what it kept; or save sooner"
+            in common.run.interrupted())
+    run_.release()
+    with pytest.raises(UsageError, match="its own saved progress_model can start a new run"):
+        common.run.Run(proxmo.Args(resume=run_.path), "proxmo.py")
 
 
 def test_a_checkpoint_whose_checksums_were_removed_or_emptied_is_refused(tmp_path):
