@@ -67,7 +67,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep, not spin (docs/performance.md); yours wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin (docs/performance.md), unless set.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from torch import Tensor
@@ -1073,7 +1073,7 @@ class Args(HarnessArgs):
     normalize_advantages: bool = True  # whiten advantages over the batch (population variance)
     kl_coef: float = 0.01  # per-step KL to the reference, subtracted from the reward; 0 skips it
     vf_coef: float = 0.1  # weight of the value loss beside the policy loss
-    value_clip: float = 0.2  # the value loss clips V to V_old +- this (V_old: the rollout's)
+    value_clip: float = 0.2  # the value loss clips V to V_old +- this (V_old: before the update)
     value_learning_rate: float = 5e-3  # AdamW rate of the value head (the LoRA's: --learning-rate)
 
     # Collection and the reward models (Eqs. 2-4)
@@ -1325,8 +1325,8 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     actions over all steps, and its mean over trajectories (SPA's definition). With several
     processes each plays its share of the tasks; the stats are of all."""
     games, ids = my_share(tasks, args.eval_draws)  # data parallel: this process's; one: all
-    # Each task --eval-draws times. Keyed: episode d of game i draws by (seed, split, i, d), so
-    # every evaluation of a seed, at any iteration and in any run, draws alike.
+    # Each task --eval-draws times. Keyed: episode d of game i draws by (seed, "eval", split, i,
+    # d), so every evaluation of a seed, at any iteration and in any run, draws alike.
     keys = episode_keys((args.seed, "eval", split), ids)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
@@ -1389,9 +1389,9 @@ class StepSample(NamedTuple):
     prompt: list[int]  # token ids
     response: list[int]  # token ids
     advantage: float
-    ret: float  # the critic's target, advantage + value
-    old_logprobs: list[float]  # of the response, scored by the policy before the update
-    old_value: float  # the critic's value at sampling, for the clipped value loss
+    ret: float  # the critic's target: the GAE advantage before whitening + value
+    old_logprobs: Tensor  # (len(response),), scored by the policy before the update
+    old_value: float  # V(s_t) scored before the update, for the clipped value loss
 
 
 def policy_update(args: Args, model, value_head, tokenizer, optimizer,
@@ -1409,8 +1409,8 @@ def policy_update(args: Args, model, value_head, tokenizer, optimizer,
     stats = defaultdict(list)
     response_lengths = [len(s.response) for s in samples]
     # ppo_epochs fresh shuffles, each cut into mini-batches of --minibatch-size (the last may be
-    # smaller), one optimizer step each. A MiniBatch: .mine, its members' indices into `samples`
-    # (one process: all), .size and .tokens over every process, .epoch and .start, where it is.
+    # smaller), one optimizer step each. A MiniBatch: .mine, this process's members (indices into
+    # `samples`); .size, .tokens: its samples and response tokens, all processes; .epoch, .start.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0

@@ -39,7 +39,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep, not spin (docs/performance.md); yours wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin (docs/performance.md), unless set.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from torch import Tensor
@@ -171,7 +171,7 @@ def proxmo_group_advantages(outcomes: Tensor, step_rewards: list[Tensor], sim: T
 def proxmo_batch_advantages(outcomes: list[float], step_rewards: list[Tensor],
                             states: list[list[str]], group_ids: list, max_features: int = 1024,
                             **hp) -> list[Tensor]:
-    """A whole batch: TF-IDF is fitted once on ALL anchor texts of the batch (as in the release);
+    """A whole batch: TF-IDF is fitted once on ALL anchor texts of the batch (as released);
     similarities and baselines stay inside each group. Output aligned with the input order.
     hp: alpha, beta, temperature, gamma, omega, eps, use_std of proxmo_group_advantages."""
     vectors = tfidf_vectors([s for traj in states for s in traj], max_features)
@@ -600,8 +600,8 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     actions over all steps, and its mean over trajectories (SPA's definition). With several
     processes each plays its share of the tasks; the stats are of all."""
     games, ids = my_share(tasks, args.eval_draws)  # data parallel: this process's; one: all
-    # Each task --eval-draws times. Keyed: episode d of game i draws by (seed, split, i, d), so
-    # every evaluation of a seed, at any iteration and in any run, draws alike.
+    # Each task --eval-draws times. Keyed: episode d of game i draws by (seed, "eval", split, i,
+    # d), so every evaluation of a seed, at any iteration and in any run, draws alike.
     keys = episode_keys((args.seed, "eval", split), ids)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
@@ -648,7 +648,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     responses = [s.response for s in samples]
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     model.eval()  # no dropout in the reference pass
-    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # the sampler's: no scoring pass
+    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # as sampled: no scoring pass
     with timer("ref_logprobs"):
         ref_logp = old_logp  # without a KL term it only fills the unused argument
         if args.kl_coef > 0:
@@ -659,8 +659,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     stats = defaultdict(list)
     response_lengths = [len(r) for r in responses]
     # ppo_epochs fresh shuffles, each cut into mini-batches of --minibatch-size (the last may be
-    # smaller), one optimizer step each. A MiniBatch: .mine, its members' indices into `samples`
-    # (one process: all), .size and .tokens over every process, .epoch and .start, where it is.
+    # smaller), one optimizer step each. A MiniBatch: .mine, this process's members (indices into
+    # `samples`); .size, .tokens: its samples and response tokens, all processes; .epoch, .start.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
@@ -751,7 +751,7 @@ def main(args: Args) -> dict:
         t0 = time.time()
         timings()  # the clocks restart: evaluations and set-up are not the iteration's
         policy.sync(run.path)  # vLLM reads the adapter from disk; hf: nothing to do
-        # (1) B tasks x N: a group each (id: its index in the batch), this process's groups only;
+        # (1) each task N times, a group (id: its index in the batch); this process's groups only;
         # (2) lock-step rollouts; (3) 0/1 outcomes: "won", and r_t = 1 on the winning step.
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         tasks, groups = my_share(batch_tasks, args.group_size)

@@ -70,7 +70,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-# Before torch loads OpenMP: waiting threads sleep, not spin (docs/performance.md); yours wins.
+# Before torch loads OpenMP: waiting threads sleep, not spin (docs/performance.md), unless set.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 from accelerate.utils import gather_object
@@ -717,8 +717,8 @@ def evaluate(args: Args, policy: Policy, split: str, tasks: list) -> dict:
     actions over all steps, and its mean over trajectories (SPA's definition). With several
     processes each plays its share of the tasks; the stats are of all."""
     games, ids = my_share(tasks, args.eval_draws)  # data parallel: this process's; one: all
-    # Each task --eval-draws times. Keyed: episode d of game i draws by (seed, split, i, d), so
-    # every evaluation of a seed, at any iteration and in any run, draws alike.
+    # Each task --eval-draws times. Keyed: episode d of game i draws by (seed, "eval", split, i,
+    # d), so every evaluation of a seed, at any iteration and in any run, draws alike.
     keys = episode_keys((args.seed, "eval", split), ids)
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
@@ -765,7 +765,7 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     responses = [s.response for s in samples]
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     model.eval()  # no dropout in the reference pass
-    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # the sampler's: no scoring pass
+    old_logp = [torch.tensor(s.old_logprobs) for s in samples]  # as sampled: no scoring pass
     with timer("ref_logprobs"):
         ref_logp = old_logp  # without a KL term it only fills the unused argument
         if args.kl_coef > 0:
@@ -776,8 +776,8 @@ def policy_update(args: Args, model, tokenizer, optimizer, samples: list[StepSam
     stats = defaultdict(list)
     response_lengths = [len(r) for r in responses]
     # ppo_epochs fresh shuffles, each cut into mini-batches of --minibatch-size (the last may be
-    # smaller), one optimizer step each. A MiniBatch: .mine, its members' indices into `samples`
-    # (one process: all), .size and .tokens over every process, .epoch and .start, where it is.
+    # smaller), one optimizer step each. A MiniBatch: .mine, this process's members (indices into
+    # `samples`); .size, .tokens: its samples and response tokens, all processes; .epoch, .start.
     for mini in minibatches(response_lengths, args.minibatch_size, args.ppo_epochs, generator):
         optimizer.zero_grad(set_to_none=True)
         minibatch_loss = 0.0
