@@ -1142,7 +1142,8 @@ class Args(HarnessArgs):
 # fields (device, max_prompt_tokens, ...) are HarnessArgs', in common/config.py.
 PRESETS = {
     "tiny-scratch": dict(bc_epochs=3),
-    "tiny-alfworld": dict(max_episode_steps=50, eval_splits=("valid_unseen",), eval_num_tasks=0),
+    "tiny-alfworld": dict(max_episode_steps=50, eval_splits=("valid_unseen",), eval_num_tasks=0,
+                          collect_num_tasks=10, collect_rollouts=10, aux_max_tokens=4096),
     "real": dict(iterations=100, tasks_per_iteration=16, group_size=1, max_episode_steps=40,
                  learning_rate=1e-5, micro_batch_size=8, gradient_checkpointing=True,
                  max_new_tokens=512, max_prompt_tokens=4096, history_length=40, reasoning=True,

@@ -332,10 +332,9 @@ def explore(args: Args, policy: Policy, tasks: list) -> list[dict]:
 
 
 def exploration_tasks(args: Args, run: Run, train_tasks: list) -> list:
-    """The training tasks the start policy explores (--explore-num-tasks, 0: all; drawn with seed
-    + 2), for the PE trained here and for RL with --rl-data explore, SPA and PPO alike; [] when
-    nothing is explored, or on --resume (explored before). UsageError when --rl-data explore has
-    fewer batches than --iterations, or resumes a run without its EXPLORE_FILE."""
+    """The training tasks the start policy explores (--explore-num-tasks, 0: all; seed + 2), for
+    the PE and for --rl-data explore, SPA and PPO alike; [] if none or on --resume. UsageError when
+    --rl-data explore has fewer batches than --iterations, or resumes without its EXPLORE_FILE."""
     if args.resume and args.rl_data == "explore" and not os.path.isfile(run.file(EXPLORE_FILE)):
         raise UsageError(f"--resume {args.resume}: no {EXPLORE_FILE} in it (the exploration "
                          "rollouts --rl-data explore trains on)")
@@ -699,7 +698,8 @@ class Args(HarnessArgs):
 # fields (device, max_prompt_tokens, ...) are HarnessArgs', in common/config.py.
 PRESETS = {
     "tiny-scratch": dict(bc_epochs=3),
-    "tiny-alfworld": dict(max_episode_steps=50, eval_splits=("valid_unseen",), eval_num_tasks=0),
+    "tiny-alfworld": dict(max_episode_steps=50, eval_splits=("valid_unseen",), eval_num_tasks=0,
+                          explore_num_tasks=26, explore_rollouts=10, pe_max_tokens=4096),
     "real": dict(iterations=150, tasks_per_iteration=16, max_episode_steps=50, learning_rate=1e-5,
                  micro_batch_size=8, gradient_checkpointing=True, max_new_tokens=512,
                  history_length=2, reasoning=True, bc_epochs=3, bc_full_params=False,
