@@ -1596,8 +1596,9 @@ def main(args: Args) -> dict:
             run.save(model, start_path, iteration, optimizer=optimizer,
                      value_head=value_head, generator=generator, task_rng=task_rng)
     progress.close()
+    summary = run.finish()  # summary.json first: closing a backend cannot cost it
     policy.close()
-    return run.finish()
+    return summary
 
 
 if __name__ == "__main__":

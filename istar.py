@@ -978,8 +978,9 @@ def main(args: Args) -> dict:
                      optimizer=optimizer, prm_optimizer=prm_optimizer, generator=generator,
                      task_rng=task_rng)
     progress.close()
+    summary = run.finish()  # summary.json first: closing a backend cannot cost it
     policy.close()
-    return run.finish()
+    return summary
 
 
 if __name__ == "__main__":

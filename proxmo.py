@@ -81,9 +81,7 @@ def tfidf_vectors(texts: list[str], max_features: int = 1024) -> Tensor:
     1,344 household observations) wherever the vocabulary fits max_features; at a cut, count ties
     go alphabetically here, by an unstable sort there."""
     docs = [Counter(TOKEN_RE.findall(t.lower())) for t in texts]
-    totals: Counter = Counter()
-    for d in docs:
-        totals.update(d)
+    totals = Counter(w for d in docs for w in d.elements())  # how often w occurs in all texts
     df = Counter(w for d in docs for w in d)  # how many texts hold w
     terms = sorted(sorted(totals), key=lambda w: -totals[w])[:max_features]
     column = {w: j for j, w in enumerate(sorted(terms))}
@@ -792,8 +790,9 @@ def main(args: Args) -> dict:
             run.save(model, start_path, iteration, optimizer=optimizer,
                      generator=generator, task_rng=task_rng)
     progress.close()
+    summary = run.finish()  # summary.json first: closing a backend cannot cost it
     policy.close()
-    return run.finish()
+    return summary
 
 
 if __name__ == "__main__":

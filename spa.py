@@ -81,9 +81,8 @@ from envs.text import (PROMPT_INTRO, encode_prompt, expert_response, is_well_for
 
 # ---- 1. SPA rewards and advantages (pure functions; only the PE's loss carries a gradient) -----
 def action_end_positions(assistant_mask: list[int]) -> list[int]:
-    """Index of the last 1 in each maximal run of 1s: the token closing each reply, where the PE
-    reads c_t (Eq. 5). [0,0,1,1,0,0,1,1,1,0] -> [3, 8]; a mask ending in 1 gives its last index;
-    [] and all zeros -> []."""
+    """Index of the last 1 of each run of 1s: the token closing a reply, where the PE reads c_t
+    (Eq. 5). [0,0,1,1,0,0,1,1,1,0] -> [3, 8]; a final run counts too; [] and all zeros -> []."""
     n = len(assistant_mask)
     return [j for j in range(n) if assistant_mask[j] and (j + 1 == n or not assistant_mask[j + 1])]
 
@@ -1162,8 +1161,9 @@ def main(args: Args) -> dict:
             run.save(model, start_path, iteration, optimizer=optimizer,
                      value_head=value_head, generator=generator, task_rng=task_rng)
     progress.close()
+    summary = run.finish()  # summary.json first: closing a backend cannot cost it
     policy.close()
-    return run.finish()
+    return summary
 
 
 if __name__ == "__main__":

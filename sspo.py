@@ -1018,8 +1018,9 @@ def main(args: Args) -> dict:
                      generator=generator, task_rng=task_rng,
                      table={"counts": counts, "t": table.t})
     progress.close()
+    summary = run.finish()  # summary.json first: closing a backend cannot cost it
     policy.close()
-    return run.finish()
+    return summary
 
 
 if __name__ == "__main__":

@@ -162,6 +162,8 @@ def read_json(path: str, remedy: str, needs: tuple[str, ...] = ()) -> dict:
             value = json.load(f)
     except FileNotFoundError:
         refuse(f"{path} is missing; {remedy}")
+    except OSError as e:  # unreadable, or a folder
+        refuse(f"{path} cannot be read ({e.strerror or e}); {remedy}")
     except ValueError as e:  # json.JSONDecodeError
         refuse(f"{path} is damaged ({e}); {remedy}")
     if not isinstance(value, dict):
@@ -224,7 +226,8 @@ def make_record(summary_file: str, script: str, estimator: str, seed: int, split
     for: a run directory is never taken on trust."""
     run_path = os.path.dirname(summary_file)
     again = "delete the run directory to run it again"
-    summary = read_json(summary_file, again, needs=("evaluations",))
+    summary = read_json(summary_file, f"python {script} --resume {run_path} writes it again",
+                        needs=("evaluations",))
     config = read_json(os.path.join(run_path, "config.json"), again, needs=("args", "command"))
     ran = config["args"]
     wanted = {"advantage": estimator, "seed": seed, "eval_splits": [split],
@@ -618,8 +621,14 @@ def plot(script: str, split: str, results: dict[str, dict[int, dict]], pairs: di
     right.set_ylabel(f"paired difference of {split} gains")
     right.set_title("per seed (dots), mean +- 2 SE", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    partial = f"{path}.{os.getpid()}.partial.png"  # whole or not at all, as write_text
+    try:
+        fig.savefig(partial, dpi=120)
+        os.replace(partial, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def main(argv: list[str]) -> str:

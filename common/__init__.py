@@ -17,8 +17,9 @@ class RunStopped(Exception):
 
 
 def write_text(path: str, text: str) -> None:
-    """`text` at `path`, whole or not at all: written beside it, then renamed over it."""
-    partial = f"{path}.partial"
+    """`text` at `path`, whole or not at all: written beside it (a name of this process's own:
+    two processes may write one file), then renamed over it."""
+    partial = f"{path}.{os.getpid()}.partial"
     try:
         with open(partial, "w") as f:
             f.write(text)
@@ -31,15 +32,16 @@ def write_text(path: str, text: str) -> None:
         raise
 
 
-def folder_error(flag: str, folder: str) -> str | None:
-    """Why `folder` cannot be, or be made, a writable directory (checked before the work), or
-    None when it can."""
+def folder_error(flag: str, folder: str, writable: bool = True) -> str | None:
+    """Why `folder` cannot be, or be made, a directory (`writable`: one this process can write
+    in), checked before the work; None when it can."""
     existing = os.path.abspath(folder)
-    while not os.path.exists(existing):
+    while not os.path.lexists(existing):  # a link to nowhere stops here: not a directory
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        return f"{flag} {folder}: {existing} is a file, not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
+        kind = "a link to nowhere" if os.path.islink(existing) else "a file"
+        return f"{flag} {folder}: {existing} is {kind}, not a directory"
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
         return f"{flag} {folder}: {existing} is not writable"
     return None
 

@@ -5,6 +5,7 @@ which the command line may not contradict (parse_args); then its checks (errors)
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
 import math
@@ -151,7 +152,7 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
     config_file = os.path.join(known.resume, "config.json")
     if not os.path.isdir(known.resume):
         raise UsageError(f"--resume {known.resume}: no such run directory")
-    if os.path.isfile(f"{config_file}.partial") and not os.path.isfile(config_file):
+    if glob.glob(f"{glob.escape(config_file)}.*partial") and not os.path.isfile(config_file):
         raise UsageError(f"--resume {known.resume}: the run stopped while writing its config.json"
                          ", before any work: nothing to resume, start it again")
     if not os.path.isfile(config_file):

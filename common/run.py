@@ -466,11 +466,11 @@ class Run:
                 raise
         else:  # the folders it will write to, before the model loads
             self.state = None
-            for flag, folder in (("--run-dir", args.run_dir),
-                                 ("--start-evaluations", args.start_evaluations)):
-                error = folder_error(flag, folder) if folder else None
-                if error:
-                    raise UsageError(error)
+            error = folder_error("--run-dir", args.run_dir)
+            if args.start_evaluations and not error:  # read-only: its evaluations are still read
+                error = folder_error("--start-evaluations", args.start_evaluations, writable=False)
+            if error:
+                raise UsageError(error)
 
     def _take_lock(self) -> None:
         """The main process holds a lock on the run directory itself until the run finishes or
@@ -691,8 +691,19 @@ class Run:
         self.checkpoint = self.file("checkpoint")
         self.began = time.time()  # the clock of summary.json's minutes: work, not waiting
         self.seconds = self.state.get("seconds", 0.0) if self.state else 0.0
-        if not self.dist.is_main_process:
-            return
+        failed = None
+        if self.dist.is_main_process:
+            try:
+                self._open_files()
+            except RunStopped as e:
+                failed = str(e)
+        failed = broadcast_object_list([failed])[0]  # every process stops, or none
+        if failed:
+            raise RunStopped(failed)
+
+    def _open_files(self) -> None:
+        """open()'s writes, on the main process: config.json and the loggers. A disk that cannot
+        take them stops the run (RunStopped), a new run's directory removed."""
         args = self.args
         config_file = self.file("config.json")
         this = {"command": shlex.join([sys.executable, *sys.argv]), "commit": CODE_VERSION,
@@ -712,8 +723,7 @@ class Run:
                                          "num_processes": self.dist.num_processes,
                                          "task_set": self.task_set})
             except OSError as e:  # a full disk, say: no half-made run is left behind
-                self.release()
-                shutil.rmtree(self.path, ignore_errors=True)
+                self._abandon()
                 raise RunStopped(f"cannot write {config_file} ({e.strerror or e}); nothing was "
                                  "kept, free some space or pick another --run-dir") from None
         Run.opened = self
@@ -727,10 +737,22 @@ class Run:
         # A resumed run's events from its last checkpoint on replace those the stopped run logged
         # after it (TensorBoard's purge): every iteration keeps one value, the resumed run's.
         purge = self.state["iteration"] + 1 if self.state else None
-        self.writer = SummaryWriter(self.path, purge_step=purge)
         threading.excepthook = _quiet_log_thread(threading.excepthook)
-        self.writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
-            f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
+        try:
+            self.writer = SummaryWriter(self.path, purge_step=purge)
+            self.writer.add_text("config", "| flag | value |\n| --- | --- |\n" + "\n".join(
+                f"| --{k.replace('_', '-')} | {v} |" for k, v in asdict(args).items()))
+        except OSError as e:
+            if not args.resume:
+                self._abandon()
+            raise RunStopped(f"the TensorBoard log cannot be written ({e}); free some space "
+                             "(a resumed run is as it was)") from None
+
+    def _abandon(self) -> None:
+        """A new run that could not begin: its lock let go and its directory removed."""
+        self.release()
+        Run.opened = None
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def _new_directory(self) -> str:
         """The run's own directory: its name, or with -2, -3, ... when a run started in the same
@@ -745,16 +767,18 @@ class Run:
                 path = f"{self.path}-{k}"
 
     def log(self, stats: dict, step: int) -> None:
-        """`stats`' numbers in TensorBoard; a log that cannot be written stops the run."""
-        if self.writer is None:
-            return
+        """`stats`' numbers in TensorBoard (the main process writes them); a log that cannot be
+        written stops the run on every process (each calls log at the same points)."""
+        failed = None
         try:
-            for k, v in stats.items():
-                if not isinstance(v, (list, tuple)):  # per-task lists stay in the history
+            for k, v in stats.items():  # per-task lists stay in the history, not in the log
+                if self.writer is not None and not isinstance(v, (list, tuple)):
                     self.writer.add_scalar(k, v, step)
         except OSError as e:  # a full disk: the writer's thread says so at the next write
-            raise RunStopped(f"iteration {step}: the TensorBoard log cannot be written ({e})"
-                             ) from None
+            failed = f"iteration {step}: the TensorBoard log cannot be written ({e})"
+        failed = broadcast_object_list([failed])[0]
+        if failed:
+            raise RunStopped(failed)
 
     def identity(self) -> dict:
         """What a checkpoint belongs to: the script and every setting a resume may not change

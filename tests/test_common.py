@@ -704,6 +704,36 @@ def test_a_full_disk_in_tensorboards_writer_thread_prints_no_traceback():
     assert seen == cases[1:]
 
 
+def test_a_folder_is_checked_before_the_work(tmp_path):
+    """folder_error: a folder that is, or can become, a directory passes; one under a file or a
+    link to nowhere is named; a read-only one fails only where it must be written."""
+    from common import folder_error
+
+    (tmp_path / "file").write_text("")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o555)
+    assert folder_error("--runs", str(tmp_path / "new" / "deeper")) is None
+    assert folder_error("--runs", str(tmp_path / "file" / "x")) == (
+        f"--runs {tmp_path / 'file' / 'x'}: {tmp_path / 'file'} is a file, not a directory")
+    assert folder_error("--runs", str(tmp_path / "dangling" / "x")) == (
+        f"--runs {tmp_path / 'dangling' / 'x'}: {tmp_path / 'dangling'} is a link to nowhere, "
+        "not a directory")
+    if os.geteuid() != 0:  # root writes anywhere
+        assert folder_error("--runs", str(tmp_path / "ro")).endswith("is not writable")
+    assert folder_error("--runs", str(tmp_path / "ro"), writable=False) is None
+
+
+def test_a_run_killed_while_writing_its_config_is_named_on_resume(tmp_path):
+    """What a kill inside write_text leaves (config.json's partial, no config.json): --resume
+    says the run stopped before any work, not that the folder is no run."""
+    import proxmo
+
+    (tmp_path / f"config.json.{os.getpid()}.partial").write_text('{"comm')
+    with pytest.raises(UsageError, match="stopped while writing its config.json, before any work"):
+        proxmo.parse_args(["--resume", str(tmp_path)])
+
+
 def test_write_text_leaves_the_old_file_and_no_partial_on_a_full_disk(tmp_path, monkeypatch):
     """write_text is whole or nothing: a write that fails keeps what was there, and removes its
     own partial file."""
