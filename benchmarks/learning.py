@@ -47,7 +47,8 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 import envs  # noqa: E402
-from common import UsageError, folder_error, write_json, write_text  # noqa: E402
+from common import (UsageError, folder_error, write_json, write_text,  # noqa: E402
+                    written_whole)
 from common.run import try_lock  # noqa: E402
 from envs import alfworld_env  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "learning")  # the committed records
@@ -621,14 +622,11 @@ def plot(script: str, split: str, results: dict[str, dict[int, dict]], pairs: di
     right.set_ylabel(f"paired difference of {split} gains")
     right.set_title("per seed (dots), mean +- 2 SE", fontsize=9)
     fig.tight_layout()
-    partial = f"{path}.{os.getpid()}.partial.png"  # whole or not at all, as write_text
     try:
-        fig.savefig(partial, dpi=120)
-        os.replace(partial, path)
+        with written_whole(path) as partial:
+            fig.savefig(partial, dpi=120, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(partial):
-            os.remove(partial)
 
 
 def main(argv: list[str]) -> str:

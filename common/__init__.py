@@ -2,6 +2,7 @@
 checks), run.py (the run directory, checkpoints, resume), model.py (loading, LoRA, log-probs),
 generation.py (the rollout backends), envbatch.py (many games at once), dist.py (data parallel)."""
 
+import contextlib
 import json
 import os
 
@@ -16,20 +17,26 @@ class RunStopped(Exception):
     scripts print the message and exit with status 1; the last checkpoint is intact."""
 
 
-def write_text(path: str, text: str) -> None:
-    """`text` at `path`, whole or not at all: written beside it (a name of this process's own:
-    two processes may write one file), then renamed over it."""
+@contextlib.contextmanager
+def written_whole(path: str):
+    """Writes a file at `path` whole or not at all: the block writes the path it is given, beside
+    `path` and this process's own (two processes may write one file), which is renamed over
+    `path` when the block ends, and removed when it fails (a full disk, say)."""
     partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(partial, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield partial
         os.replace(partial, path)
-    except BaseException:  # a full disk, say: no half-written file is left beside it
+    finally:
         if os.path.exists(partial):
             os.remove(partial)
-        raise
+
+
+def write_text(path: str, text: str) -> None:
+    """`text` at `path`, whole or not at all (written_whole), flushed to disk before the rename."""
+    with written_whole(path) as partial, open(partial, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def folder_error(flag: str, folder: str, writable: bool = True) -> str | None:

@@ -27,7 +27,7 @@ import re
 import sys
 import weakref
 
-from common import UsageError
+from common import UsageError, written_whole
 from envs.base import begin_step, normalise
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
@@ -310,15 +310,12 @@ def _stored(pickled):
         except (OSError, zlib.error):
             pass  # not there yet, or damaged: made again
         result = pickled(*args, **kwargs)
-        partial = f"{path}.{os.getpid()}.partial"  # two workers may write one translation
-        try:
+        try:  # two workers may write one translation: each its own partial file
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(partial, "wb") as f:
+            with written_whole(path) as partial, open(partial, "wb") as f:
                 f.write(zlib.compress(result, 1))
-            os.replace(partial, path)
         except OSError:  # a read-only game set, a full disk: kept in memory only
-            if os.path.exists(partial):
-                os.remove(partial)
+            pass
         return result
 
     return stored
