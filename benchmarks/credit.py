@@ -32,6 +32,8 @@ true one. With --env alfworld the batch is played on ALFWorld's engine from `tin
     python benchmarks/credit.py --estimators grpo gigpo proxmo --num-tasks 8
     python benchmarks/credit.py --estimators grpo oracle admissible --max-episode-steps 50
     python benchmarks/credit.py --env alfworld --estimators oracle grpo gigpo proxmo --num-tasks 8
+    python benchmarks/credit.py --env alfworld --estimators oracle grpo gigpo proxmo \\
+        --adapter runs/.../checkpoint-10      # a trained policy plays the batch
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ import spa  # noqa: E402
 import sspo  # noqa: E402
 from common import UsageError, write_text  # noqa: E402
 from common.model import (DEFAULT_MODEL, TINY_ENV, TINY_STARTS, add_lora,  # noqa: E402
-                          load_model_and_tokenizer, response_logprobs)
+                          load_lora, load_model_and_tokenizer, merge_lora, response_logprobs)
 from common.progress import Progress  # noqa: E402
 from common.run import CODE_VERSION, quiet_libraries  # noqa: E402
 from envs.alfworld_env import AlfworldEnv  # noqa: E402
@@ -206,9 +208,10 @@ class Batch:
 def collect(num_tasks: int, group_size: int, seed: int, temperature: float | None = None,
             max_episode_steps: int | None = None, budget: Budget | None = None,
             model: str | None = None, history_length: int | None = None,
-            env: str = "household") -> Batch:
-    """Rollouts of the start (the env's shared tiny start, or `model`: tiny-weak or a directory)
-    on `num_tasks` training tasks of `env` (drawn with `seed`) x `group_size`, as proxmo.py's
+            env: str = "household", adapter: str | None = None) -> Batch:
+    """Rollouts of the start (the env's shared tiny start, or `model`: tiny-weak or a directory;
+    with `adapter`, a run's checkpoint, its LoRA adapter folded in: the trained policy) on
+    `num_tasks` training tasks of `env` (drawn with `seed`) x `group_size`, as proxmo.py's
     first iteration plays them (its tiny preset: temperature, step limit, history, env workers),
     each step labelled with its progress."""
     args = replace(proxmo.preset_args(DEFAULT_MODEL[env], env), seed=seed,
@@ -224,6 +227,9 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)  # as the scripts
     model, tokenizer = load_model_and_tokenizer(args.model, seed=seed)
+    if adapter:
+        with torch.random.fork_rng():  # the adapter's initialisation draws: not the batch's
+            model = merge_lora(load_lora(model, adapter))
     model.requires_grad_(False)
     policy = proxmo.Policy(args, model, tokenizer)  # the harness every script shares
     task_ids = random.Random(seed).sample(envs.list_tasks(env, "train"), num_tasks)
@@ -690,6 +696,9 @@ def main(argv: list[str]) -> list[dict]:
     parser.add_argument("--model", default=None,
                         help="the start: tiny or tiny-weak (shipped; on alfworld tiny-alfworld, "
                              "the default), or a directory with a cloned model")
+    parser.add_argument("--adapter", default=None,
+                        help="a run's checkpoint folder: its LoRA adapter on --model plays the "
+                             "batch (the trained policy's credit)")
     for name, value in asdict(Budget()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
                             help=f"{BUDGET_HELP[name]} (default {value})")
@@ -731,10 +740,14 @@ def main(argv: list[str]) -> list[dict]:
     if args.model not in shipped and not os.path.isdir(args.model):
         parser.error(f"--model {args.model} on --env {args.env}: {', '.join(shipped)}, or a "
                      "directory with a model in it")
+    if args.adapter and not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
+        parser.error(f"--adapter {args.adapter}: no LoRA adapter there (a run's checkpoint "
+                     "folder holds adapter_config.json)")
     own_rollouts = [e for e in args.estimators if e not in ON_THE_BATCH]
-    if (args.model != start or args.history_length is not None) and own_rollouts:
-        parser.error(f"--model and --history-length reach the batch, not the rollouts and models "
-                     f"of {' '.join(own_rollouts)}: screen with {' '.join(ON_THE_BATCH)}")
+    if (args.model != start or args.adapter or args.history_length is not None) and own_rollouts:
+        parser.error(f"--model, --adapter and --history-length reach the batch, not the rollouts "
+                     f"and models of {' '.join(own_rollouts)}: screen with "
+                     f"{' '.join(ON_THE_BATCH)}")
     try:  # before the work: a table that cannot be written fails now, not after it
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "rows.partial.md"), "w") as f:
@@ -746,7 +759,8 @@ def main(argv: list[str]) -> list[dict]:
     began = time.time()
     budget = Budget(**{name: getattr(args, name) for name in asdict(Budget())})
     batch = collect(args.num_tasks, args.group_size, args.seed, args.temperature,
-                    args.max_episode_steps, budget, args.model, args.history_length, args.env)
+                    args.max_episode_steps, budget, args.model, args.history_length, args.env,
+                    args.adapter)
     steps = [p for traj in batch.progress for p in traj]
     won = np.mean([t["won"] for t in batch.trajs])
     wins = defaultdict(list)
@@ -754,7 +768,8 @@ def main(argv: list[str]) -> list[dict]:
         wins[group].append(traj["won"])
     mixed = np.mean([0 < sum(w) < len(w) for w in wins.values()])  # a group GRPO can learn from
     stall_p, stall_drawn, stalls = stall_expert_probability(batch)
-    summary = (f"{args.env}: start {args.model}, {args.num_tasks} train tasks x "
+    played = f"{args.model} + {args.adapter}" if args.adapter else args.model
+    summary = (f"{args.env}: start {played}, {args.num_tasks} train tasks x "
                f"{args.group_size}, "
                f"temperature {batch.args.rollout_temperature}, step limit "
                f"{batch.args.max_episode_steps}, history {batch.args.history_length}, seed "

@@ -14,8 +14,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from credit import (ESTIMATORS, FIGURES, LABELS, Batch, credit_auc,  # noqa: E402
+from credit import (ESTIMATORS, FIGURES, LABELS, Batch, collect, credit_auc,  # noqa: E402
                     figures_with_se, sign_agreement, task_counts)
+from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
 from envs import label_progress  # noqa: E402
 from envs.household import HouseholdEnv, generate_task  # noqa: E402
 
@@ -127,6 +128,44 @@ def test_bad_flags_are_refused_before_any_rollout(argv, message, tmp_path):
                             env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_an_adapter_plays_the_batch(tmp_path):
+    """--adapter folds a run's checkpoint into the start: a LoRA adapter as RL starts it (B = 0)
+    plays the start's batch step for step; one with B set to 0.5 moves the weights it targets."""
+    model, _ = load_model_and_tokenizer("tiny")
+    adapted = add_lora(model, 8, 16, 0.0, "all-linear")
+    adapted.save_pretrained(str(tmp_path / "zero"))
+    for name, weight in adapted.named_parameters():
+        if "lora_B" in name:
+            weight.data.fill_(0.5)
+    adapted.save_pretrained(str(tmp_path / "moved"))
+
+    def actions(batch):
+        return [[s["action"] for s in t["steps"]] for t in batch.trajs]
+
+    start = collect(2, 2, seed=1, max_episode_steps=6)
+    zero = collect(2, 2, seed=1, max_episode_steps=6, adapter=str(tmp_path / "zero"))
+    assert actions(zero) == actions(start) and zero.progress == start.progress
+    moved = collect(2, 2, seed=1, max_episode_steps=6, adapter=str(tmp_path / "moved"))
+    before = dict(start.model.named_parameters())
+    after = dict(moved.model.named_parameters())
+    assert sorted(after) == sorted(before)  # folded in: no adapter left
+    changed = [n for n in before if not torch.equal(after[n], before[n])]
+    assert changed and all(n.endswith("proj.weight") for n in changed), changed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--adapter", "no-such-checkpoint"], "--adapter no-such-checkpoint: no LoRA adapter there"),
+    (["--adapter", "assets/tiny-household"], "no LoRA adapter there"),
+])
+def test_an_adapter_folder_without_one_is_refused(argv, message, tmp_path):
+    result = subprocess.run([sys.executable, "benchmarks/credit.py", *argv, "--out",
+                             str(tmp_path / "out")], cwd=ROOT,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-1000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
