@@ -76,6 +76,7 @@ from common.run import CODE_VERSION, quiet_libraries  # noqa: E402
 from envs.alfworld_env import AlfworldEnv  # noqa: E402
 from envs.household import HouseholdEnv, generate_task  # noqa: E402
 from envs.text import expert_response  # noqa: E402
+from learning import save_png  # noqa: E402
 
 
 # ---- 1. The figures -----------------------------------------------------------------------------
@@ -665,8 +666,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.suptitle(textwrap.fill(title, 180) + "\ngrey: references, not methods; dashed: 0.5, no "
                  "information", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)  # whole: a failure leaves no partial picture
 
 
 BUDGET_HELP = {"explore_tasks": "SPA: tasks its progress estimator explores (x 8)",

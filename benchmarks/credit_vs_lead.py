@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from common import write_text, written_whole  # noqa: E402
-from learning import RESULTS, gain, mean_and_se, read_json, refuse  # noqa: E402
+from common import write_text  # noqa: E402
+from learning import RESULTS, gain, mean_and_se, read_json, refuse, save_png  # noqa: E402
 
 SPLIT = "valid_unseen"
 # (name, its row in credit.py's table, the script whose records folder holds it, the estimator)
@@ -145,11 +145,7 @@ def plot(rows: list[dict], placebo: dict, path: str) -> None:
     ax.set_title("does credit accuracy predict the gain? mean +- SE (seeds)", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    try:
-        with written_whole(path) as partial:
-            fig.savefig(partial, dpi=120, format="png")
-    finally:
-        plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str]) -> str:

@@ -622,6 +622,14 @@ def plot(script: str, split: str, results: dict[str, dict[int, dict]], pairs: di
     right.set_ylabel(f"paired difference of {split} gains")
     right.set_title("per seed (dots), mean +- 2 SE", fontsize=9)
     fig.tight_layout()
+    save_png(fig, path)
+
+
+def save_png(fig, path: str) -> None:
+    """Write a matplotlib figure to `path` whole (a failure leaves no partial picture), then
+    close it."""
+    import matplotlib.pyplot as plt
+
     try:
         with written_whole(path) as partial:
             fig.savefig(partial, dpi=120, format="png")

@@ -121,6 +121,8 @@ def test_task_counts_of_a_hand_built_batch():
     (["--temperature", "nan"], "--temperature must be finite and > 0"),
     (["--temperature", "inf"], "--temperature must be finite and > 0"),
     (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--adapter", "no-such-checkpoint"], "--adapter no-such-checkpoint: no LoRA adapter there"),
+    (["--adapter", "assets/tiny-household"], "no LoRA adapter there"),
 ])
 def test_bad_flags_are_refused_before_any_rollout(argv, message, tmp_path):
     result = subprocess.run([sys.executable, "benchmarks/credit.py", *argv, "--out",
@@ -154,19 +156,6 @@ def test_an_adapter_plays_the_batch(tmp_path):
     assert sorted(after) == sorted(before)  # folded in: no adapter left
     changed = [n for n in before if not torch.equal(after[n], before[n])]
     assert changed and all(n.endswith("proj.weight") for n in changed), changed
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--adapter", "no-such-checkpoint"], "--adapter no-such-checkpoint: no LoRA adapter there"),
-    (["--adapter", "assets/tiny-household"], "no LoRA adapter there"),
-])
-def test_an_adapter_folder_without_one_is_refused(argv, message, tmp_path):
-    result = subprocess.run([sys.executable, "benchmarks/credit.py", *argv, "--out",
-                             str(tmp_path / "out")], cwd=ROOT,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 2 and message in result.stderr, result.stderr[-1000:]
-    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_the_work(tmp_path):
