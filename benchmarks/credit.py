@@ -72,7 +72,7 @@ from common import UsageError, write_text  # noqa: E402
 from common.model import (DEFAULT_MODEL, TINY_ENV, TINY_STARTS, add_lora,  # noqa: E402
                           load_lora, load_model_and_tokenizer, merge_lora, response_logprobs)
 from common.progress import Progress  # noqa: E402
-from common.run import CODE_VERSION, quiet_libraries  # noqa: E402
+from common.run import CODE_VERSION, quiet_libraries, weights_digest  # noqa: E402
 from envs.alfworld_env import AlfworldEnv  # noqa: E402
 from envs.household import HouseholdEnv, generate_task  # noqa: E402
 from envs.text import expert_response  # noqa: E402
@@ -206,6 +206,23 @@ class Batch:
     cache: dict = field(default_factory=dict)  # what two estimators share (a search, a PRM)
 
 
+def check_adapter_base(adapter: str, model, name: str) -> None:
+    """Refuse a run's adapter on weights other than those it trained on (its checkpoint's
+    trainer_state.pt names them by digest): a BC start, say, is the run's own base_model/."""
+    state_file = os.path.join(adapter, "trainer_state.pt")
+    if not os.path.isfile(state_file):
+        return  # an adapter saved by hand: nothing to check it against
+    try:
+        trained_on = torch.load(state_file, weights_only=False).get("base_weights")
+    except Exception as e:  # a damaged file: pickle raises many kinds
+        raise UsageError(f"--adapter {adapter}: its trainer_state.pt cannot be read "
+                         f"({type(e).__name__})") from None
+    if trained_on is not None and trained_on != weights_digest(model):
+        raise UsageError(f"--adapter {adapter} trained on other weights than --model {name}; "
+                         "pass the model its run started from (its run directory's base_model/ "
+                         "when the run cloned or trained its own start)")
+
+
 def collect(num_tasks: int, group_size: int, seed: int, temperature: float | None = None,
             max_episode_steps: int | None = None, budget: Budget | None = None,
             model: str | None = None, history_length: int | None = None,
@@ -229,6 +246,7 @@ def collect(num_tasks: int, group_size: int, seed: int, temperature: float | Non
     torch.use_deterministic_algorithms(True, warn_only=True)  # as the scripts
     model, tokenizer = load_model_and_tokenizer(args.model, seed=seed)
     if adapter:
+        check_adapter_base(adapter, model, args.model)
         with torch.random.fork_rng():  # the adapter's initialisation draws: not the batch's
             model = merge_lora(load_lora(model, adapter))
     model.requires_grad_(False)
@@ -740,9 +758,10 @@ def main(argv: list[str]) -> list[dict]:
     if args.model not in shipped and not os.path.isdir(args.model):
         parser.error(f"--model {args.model} on --env {args.env}: {', '.join(shipped)}, or a "
                      "directory with a model in it")
-    if args.adapter and not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
-        parser.error(f"--adapter {args.adapter}: no LoRA adapter there (a run's checkpoint "
-                     "folder holds adapter_config.json)")
+    for needed in ("adapter_config.json", "adapter_model.safetensors"):
+        if args.adapter and not os.path.isfile(os.path.join(args.adapter, needed)):
+            parser.error(f"--adapter {args.adapter}: no LoRA adapter there (a run's checkpoint "
+                         f"folder holds {needed})")
     own_rollouts = [e for e in args.estimators if e not in ON_THE_BATCH]
     if (args.model != start or args.adapter or args.history_length is not None) and own_rollouts:
         parser.error(f"--model, --adapter and --history-length reach the batch, not the rollouts "
@@ -758,15 +777,20 @@ def main(argv: list[str]) -> list[dict]:
     quiet_libraries()
     began = time.time()
     budget = Budget(**{name: getattr(args, name) for name in asdict(Budget())})
-    batch = collect(args.num_tasks, args.group_size, args.seed, args.temperature,
-                    args.max_episode_steps, budget, args.model, args.history_length, args.env,
-                    args.adapter)
+    try:  # a damaged adapter, or one trained on other weights: one line, before any rollout
+        batch = collect(args.num_tasks, args.group_size, args.seed, args.temperature,
+                        args.max_episode_steps, budget, args.model, args.history_length,
+                        args.env, args.adapter)
+    except UsageError as e:
+        os.remove(os.path.join(args.out, "rows.partial.md"))
+        parser.error(str(e))
     steps = [p for traj in batch.progress for p in traj]
     won = np.mean([t["won"] for t in batch.trajs])
     wins = defaultdict(list)
     for traj, group in zip(batch.trajs, batch.task_index):
         wins[group].append(traj["won"])
     mixed = np.mean([0 < sum(w) < len(w) for w in wins.values()])  # a group GRPO can learn from
+    by_wins = [sum(sum(w) == k for w in wins.values()) for k in range(args.group_size + 1)]
     stall_p, stall_drawn, stalls = stall_expert_probability(batch)
     played = f"{args.model} + {args.adapter}" if args.adapter else args.model
     summary = (f"{args.env}: start {played}, {args.num_tasks} train tasks x "
@@ -774,7 +798,8 @@ def main(argv: list[str]) -> list[dict]:
                f"temperature {batch.args.rollout_temperature}, step limit "
                f"{batch.args.max_episode_steps}, history {batch.args.history_length}, seed "
                f"{args.seed}: {len(batch.trajs)} "
-               f"episodes, success {won:.3f}, mixed groups {mixed:.3f}, {len(steps)} steps "
+               f"episodes, success {won:.3f}, mixed groups {mixed:.3f} (groups by wins 0-"
+               f"{args.group_size}: {' '.join(map(str, by_wins))}), {len(steps)} steps "
                f"(progress > 0: "
                f"{np.mean(np.array(steps) > 0):.3f}, so credit <= 0 everywhere agrees in sign "
                f"{np.mean(np.array(steps) <= 0):.3f}), {len(batch.same_state)} states with more "

@@ -13,7 +13,6 @@ the difference of the gains. Reads the committed results; writes credit-vs-lead.
 from __future__ import annotations
 
 import argparse
-import glob
 import math
 import os
 import re
@@ -24,25 +23,23 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from common import write_text  # noqa: E402
-from learning import RESULTS, gain, mean_and_se, read_json, refuse, save_png  # noqa: E402
+from credit import LABELS  # noqa: E402
+from learning import (RESULTS, check_record, gain_differences, mean_and_se,  # noqa: E402
+                      read_json, refuse, save_png)
 
 SPLIT = "valid_unseen"
-# (name, its row in credit.py's table, the script whose records folder holds it, the estimator)
-POINTS = [
-    ("oracle", "oracle: GRPO + progress (reference, proxmo.py)", "proxmo.py", "oracle"),
-    ("GiGPO", "GiGPO (proxmo.py)", "proxmo.py", "gigpo"),
-    ("ProxMO", "ProxMO (proxmo.py)", "proxmo.py", "proxmo"),
-    ("PPO", "PPO (spa.py)", "hisr.py", "ppo"),
-    ("SPA", "SPA, grounding as a cost (spa.py)", "spa.py", "spa"),
-    ("HISR", "HISR, as revised (hisr.py)", "hisr.py", "hisr"),
-    ("RLOO", "RLOO (istar.py)", "istar.py", "rloo"),
-    ("iStar", "iStar (istar.py)", "istar.py", "istar"),
-    ("3SPO", "3SPO, as revised, searched counts (sspo.py)", "sspo.py", "sspo"),
-]
+# (name, the estimator's row in credit.py's table, the script whose records hold it, the
+# estimator in them); PPO's records are hisr.py's, which spa.py shares
+POINTS = [("oracle", "oracle", "proxmo.py", "oracle"), ("GiGPO", "gigpo", "proxmo.py", "gigpo"),
+          ("ProxMO", "proxmo", "proxmo.py", "proxmo"), ("PPO", "ppo", "hisr.py", "ppo"),
+          ("SPA", "spa", "spa.py", "spa"), ("HISR", "hisr", "hisr.py", "hisr"),
+          ("RLOO", "rloo", "istar.py", "rloo"), ("iStar", "istar", "istar.py", "istar"),
+          ("3SPO", "sspo", "sspo.py", "sspo")]
 
 
 def credit_rows(path: str) -> dict[str, tuple[float, float]]:
-    """credit.py's table.md -> {row label: (same-state AUC, its SE)}."""
+    """credit.py's table.md -> {row label: (same-state AUC, its SE)}: the first figure column,
+    which credit.py writes first."""
     rows = {}
     with open(path) as f:
         for line in f:
@@ -53,66 +50,68 @@ def credit_rows(path: str) -> dict[str, tuple[float, float]]:
 
 
 def records(folder: str, estimator: str) -> dict[int, dict]:
-    """{seed: record} of one estimator in a learning.py records folder."""
+    """{seed: record} of one estimator in a learning.py records folder, each checked as
+    learning.py checks it."""
     out = {}
-    for path in glob.glob(os.path.join(folder, f"{estimator}-seed*.json")):
-        seed = int(re.search(r"-seed(\d+)\.json$", path).group(1))
-        out[seed] = read_json(path, "run benchmarks/learning.py again for it",
-                              needs=("evaluations",))
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        match = re.fullmatch(rf"{re.escape(estimator)}-seed(\d+)\.json", name)
+        if match:
+            path = os.path.join(folder, name)
+            record = read_json(path, "run benchmarks/learning.py again for it")
+            check_record(record, SPLIT, path)
+            out[int(match.group(1))] = record
     return out
 
 
 def records_folder(learning: str, script: str, estimator: str) -> str | None:
-    """The folder of `script`'s records that holds `estimator`'s: the script's own, or one with
-    extra flags in its name (sspo.py-...); more than one is refused."""
-    found = [f for f in sorted(glob.glob(os.path.join(learning, script + "*")))
-             if glob.glob(os.path.join(f, f"{estimator}-seed*.json"))]
+    """Where `script`'s records of `estimator` are: the script's folder, or one folder of runs
+    with extra flags inside it (learning.py names it by them); more than one is refused."""
+    top = os.path.join(learning, script)
+    if not os.path.isdir(top):
+        return None
+    folders = [top] + [os.path.join(top, d) for d in sorted(os.listdir(top))
+                       if os.path.isdir(os.path.join(top, d))]
+    found = [f for f in folders if records(f, estimator)]
     if len(found) > 1:
-        refuse(f"{estimator}: records in {len(found)} folders ({', '.join(found)}); keep one")
+        refuse(f"{estimator}: records in {len(found)} folders ({', '.join(found)}); name one "
+               "protocol by keeping one")
     return found[0] if found else None
 
 
-def leads(method: dict[int, dict], grpo: dict[int, dict]) -> list[float]:
-    """Per seed both ran, in seed order: the method's gain minus GRPO's."""
-    key = f"eval_{SPLIT}/success"
-    out = []
-    for seed in sorted(set(method) & set(grpo)):
-        m_start, m_end = gain(method[seed], key)
-        g_start, g_end = gain(grpo[seed], key)
-        out.append((m_end - m_start) - (g_end - g_start))
-    return out
-
-
 def points(credit_table: str, learning: str, placebo_folder: str) -> tuple[list[dict], dict]:
-    """(one dict per method that has run: name, auc, auc_se, differences; the placebo's)."""
+    """(one dict per method that has run: name, auc, auc_se, differences (its lead over GRPO per
+    seed both ran); the placebo's, from its own folder and that folder's GRPO)."""
     aucs = credit_rows(credit_table)
-    grpo_folder = os.path.join(learning, "proxmo.py")
-    grpo = records(grpo_folder, "grpo")
+    grpo = records(os.path.join(learning, "proxmo.py"), "grpo")
     if not grpo:
-        refuse(f"no GRPO records in {grpo_folder}: the frame runs first")
+        refuse(f"no GRPO records in {os.path.join(learning, 'proxmo.py')}: the frame runs first")
     out = []
-    for name, label, script, estimator in POINTS:
+    for name, row, script, estimator in POINTS:
         folder = records_folder(learning, script, estimator)
-        if folder is None or label not in aucs:
+        if folder is None or LABELS[row] not in aucs:
             continue
-        differences = leads(records(folder, estimator), grpo)
+        _, differences = gain_differences(SPLIT, records(folder, estimator), grpo)
         if differences:
-            out.append({"name": name, "auc": aucs[label][0], "auc_se": aucs[label][1],
-                        "differences": differences})
-    placebo = leads(records(placebo_folder, "placebo"), records(placebo_folder, "grpo"))
+            auc, auc_se = aucs[LABELS[row]]
+            out.append({"name": name, "auc": auc, "auc_se": auc_se, "differences": differences})
+    _, placebo = gain_differences(SPLIT, records(placebo_folder, "placebo"),
+                                  records(placebo_folder, "grpo"))
     return out, {"name": "placebo", "differences": placebo}
 
 
 def table(rows: list[dict], placebo: dict) -> str:
     oracle = next((r for r in rows if r["name"] == "oracle"), None)
     oracle_lead = mean_and_se(oracle["differences"])[0] if oracle else float("nan")
+
+    def share(lead: float) -> str:  # of the oracle's lead, where it has one
+        return f"{lead / oracle_lead:.2f}" if oracle_lead > 0 else "-"
+
     lines = ["| method | same-state AUC at the start | seeds | lead over GRPO +- SE | "
              "share of the oracle's lead |", "| --- | --- | --- | --- | --- |"]
     for row in rows:
         mean, se = mean_and_se(row["differences"])
         lines.append(f"| {row['name']} | {row['auc']:.3f} +- {row['auc_se']:.3f} | "
-                     f"{len(row['differences'])} | {mean:+.3f} +- {se:.3f} | "
-                     f"{mean / oracle_lead:.2f} |")
+                     f"{len(row['differences'])} | {mean:+.3f} +- {se:.3f} | {share(mean)} |")
     if placebo["differences"]:
         mean, se = mean_and_se(placebo["differences"])
         lines.append(f"| placebo (the previous protocol: not a share of this one) | not "
@@ -130,9 +129,10 @@ def plot(rows: list[dict], placebo: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for row in rows:
         mean, se = mean_and_se(row["differences"])
-        ax.errorbar([row["auc"]], [mean], xerr=[row["auc_se"]],
-                    yerr=[0 if math.isnan(se) else se], fmt="*" if row["name"] == "oracle"
-                    else "o", capsize=3, markersize=10 if row["name"] == "oracle" else 6)
+        auc_se = 0 if math.isnan(row["auc_se"]) else row["auc_se"]
+        oracle = row["name"] == "oracle"
+        ax.errorbar([row["auc"]], [mean], xerr=[auc_se], yerr=[0 if math.isnan(se) else se],
+                    fmt="*" if oracle else "o", capsize=3, markersize=10 if oracle else 6)
         ax.annotate(f"{row['name']} ({len(row['differences'])})", (row["auc"], mean),
                     textcoords="offset points", xytext=(6, 4), fontsize=8)
     ax.axhline(0, color="black", linewidth=0.8, label="GRPO")
@@ -156,18 +156,22 @@ def main(argv: list[str]) -> str:
     parser.add_argument("--learning", default=os.path.join(RESULTS, "alfworld", "keyed", SPLIT),
                         help="the keyed ALFWorld records, one folder per script (default the "
                              "committed ones)")
-    parser.add_argument("--placebo", default=os.path.join(RESULTS, "alfworld", SPLIT,
-                                                          "oracle-vs-grpo"),
+    parser.add_argument("--placebo", default=None,
                         help="the placebo's and its GRPO's records (default the previous "
-                             "protocol's)")
+                             "protocol's, benchmarks/results/learning/alfworld/valid_unseen/"
+                             "oracle-vs-grpo)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "credit",
                                                       "alfworld"),
-                        help="where credit-vs-lead.md and .png go")
+                        help="where credit-vs-lead.md and .png go (default benchmarks/results/"
+                             "credit/alfworld, beside the credit table)")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.credit_table):
         parser.error(f"--credit-table {args.credit_table}: no such file (run benchmarks/credit.py "
                      "--env alfworld)")
-    rows, placebo = points(args.credit_table, args.learning, args.placebo)
+    placebo_folder = args.placebo or os.path.join(RESULTS, "alfworld", SPLIT, "oracle-vs-grpo")
+    if args.placebo and not records(args.placebo, "placebo"):
+        parser.error(f"--placebo {args.placebo}: no placebo-seed*.json there")
+    rows, placebo = points(args.credit_table, args.learning, placebo_folder)
     markdown = table(rows, placebo)
     os.makedirs(args.out, exist_ok=True)
     write_text(os.path.join(args.out, "credit-vs-lead.md"), markdown + "\n")

@@ -481,6 +481,20 @@ def table(script: str, split: str, results: dict[str, dict[int, dict]]) -> str:
     return "\n".join(lines)
 
 
+def gain_differences(split: str, runs: dict[int, dict],
+                     baseline_runs: dict[int, dict]) -> tuple[list[int], list[float]]:
+    """({seed: record} of a method and of its baseline) -> (the seeds both ran, ascending; per
+    seed the method's success gain on `split` minus the baseline's)."""
+    key = f"eval_{split}/success"
+    seeds = sorted(set(runs) & set(baseline_runs))
+    differences = []
+    for seed in seeds:
+        m_start, m_end = gain(runs[seed], key)
+        b_start, b_end = gain(baseline_runs[seed], key)
+        differences.append((m_end - m_start) - (b_end - b_start))
+    return seeds, differences
+
+
 def paired_differences(split: str, results: dict[str, dict[int, dict]]) -> dict[str, dict]:
     """For each method whose baseline ran too: the seeds both ran, and per seed the method's gain
     minus the baseline's."""
@@ -490,14 +504,9 @@ def paired_differences(split: str, results: dict[str, dict[int, dict]]) -> dict[
         baseline = BASELINE.get(method)
         if baseline not in results:
             continue
-        seeds = sorted(set(runs) & set(results[baseline]))
-        differences, noise = [], []
-        for seed in seeds:
-            m_start, m_end = gain(runs[seed], key)
-            b_start, b_end = gain(results[baseline][seed], key)
-            differences.append((m_end - m_start) - (b_end - b_start))
-            noise.append([evaluation_variance(r, key) for r in (runs[seed],
-                                                                  results[baseline][seed])])
+        seeds, differences = gain_differences(split, runs, results[baseline])
+        noise = [[evaluation_variance(r, key) for r in (runs[seed], results[baseline][seed])]
+                 for seed in seeds]
         if seeds:
             known = [a + b for a, b in noise if a is not None and b is not None]
             out[method] = {"baseline": baseline, "seeds": seeds, "differences": differences,

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from credit import (ESTIMATORS, FIGURES, LABELS, Batch, collect, credit_auc,  # noqa: E402
                     figures_with_se, sign_agreement, task_counts)
+from common import UsageError  # noqa: E402
 from common.model import add_lora, load_model_and_tokenizer  # noqa: E402
 from envs import label_progress  # noqa: E402
 from envs.household import HouseholdEnv, generate_task  # noqa: E402
@@ -84,6 +85,8 @@ def test_the_benchmark_runs_at_a_tiny_size(tmp_path):
     for reading in ("literal", "new"):
         assert f"3SPO search ({reading} reading), tasks 3/3" in result.stdout
     assert "Loading weights" not in result.stderr
+    by_wins = re.search(r"groups by wins 0-3: (\d+) (\d+) (\d+) (\d+)\)", result.stdout)
+    assert sum(int(n) for n in by_wins.groups()) == 3  # each of the 3 groups counted once
     assert sorted(os.listdir(tmp_path)) == ["credit.png", "table.md"]
     table = (tmp_path / "table.md").read_text()
     for name in ESTIMATORS:
@@ -123,6 +126,7 @@ def test_task_counts_of_a_hand_built_batch():
     (["--seed", "-1"], "--seed must be in [0, 2**32)"),
     (["--adapter", "no-such-checkpoint"], "--adapter no-such-checkpoint: no LoRA adapter there"),
     (["--adapter", "assets/tiny-household"], "no LoRA adapter there"),
+    (["--adapter", "tests"], "holds adapter_config.json"),
 ])
 def test_bad_flags_are_refused_before_any_rollout(argv, message, tmp_path):
     result = subprocess.run([sys.executable, "benchmarks/credit.py", *argv, "--out",
@@ -154,8 +158,14 @@ def test_an_adapter_plays_the_batch(tmp_path):
     before = dict(start.model.named_parameters())
     after = dict(moved.model.named_parameters())
     assert sorted(after) == sorted(before)  # folded in: no adapter left
-    changed = [n for n in before if not torch.equal(after[n], before[n])]
-    assert changed and all(n.endswith("proj.weight") for n in changed), changed
+    changed = {n for n in before if not torch.equal(after[n], before[n])}
+    linear = {n for n in before if n.endswith("proj.weight")}  # all-linear's targets
+    assert len(linear) == 14 and changed == linear
+    assert actions(moved) != actions(start)
+    # an adapter that trained on other weights (its trainer_state.pt says which) is refused
+    torch.save({"base_weights": "0" * 64}, tmp_path / "moved" / "trainer_state.pt")
+    with pytest.raises(UsageError, match="trained on other weights than --model tiny"):
+        collect(2, 2, seed=1, max_episode_steps=6, adapter=str(tmp_path / "moved"))
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_the_work(tmp_path):
