@@ -29,8 +29,9 @@ from learning import (RESULTS, check_record, gain_differences, mean_and_se,  # n
 
 SPLIT = "valid_unseen"
 # (name, the estimator's row in credit.py's table, the script whose records hold it, the
-# estimator in them); PPO's records are hisr.py's, which spa.py shares
-POINTS = [("oracle", "oracle", "proxmo.py", "oracle"), ("GiGPO", "gigpo", "proxmo.py", "gigpo"),
+# estimator in them); PPO's records are hisr.py's, which spa.py shares; GRPO's lead is 0
+POINTS = [("oracle", "oracle", "proxmo.py", "oracle"), ("GRPO", "grpo", "proxmo.py", "grpo"),
+          ("GiGPO", "gigpo", "proxmo.py", "gigpo"),
           ("ProxMO", "proxmo", "proxmo.py", "proxmo"), ("PPO", "ppo", "hisr.py", "ppo"),
           ("SPA", "spa", "spa.py", "spa"), ("HISR", "hisr", "hisr.py", "hisr"),
           ("RLOO", "rloo", "istar.py", "rloo"), ("iStar", "istar", "istar.py", "istar"),
