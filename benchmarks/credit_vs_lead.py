@@ -64,19 +64,20 @@ def records(folder: str, estimator: str) -> dict[int, dict]:
     return out
 
 
-def records_folder(learning: str, script: str, estimator: str) -> str | None:
-    """Where `script`'s records of `estimator` are: the script's folder, or one folder of runs
-    with extra flags inside it (learning.py names it by them); more than one is refused."""
+def script_records(learning: str, script: str, estimator: str) -> dict[int, dict]:
+    """{seed: record} of `estimator` in `script`'s records: the script's folder, or one folder of
+    runs with extra flags inside it (learning.py names it by them); more than one is refused."""
     top = os.path.join(learning, script)
     if not os.path.isdir(top):
-        return None
+        return {}
     folders = [top] + [os.path.join(top, d) for d in sorted(os.listdir(top))
                        if os.path.isdir(os.path.join(top, d))]
-    found = [f for f in folders if records(f, estimator)]
+    found = {folder: records(folder, estimator) for folder in folders}
+    found = {folder: runs for folder, runs in found.items() if runs}
     if len(found) > 1:
         refuse(f"{estimator}: records in {len(found)} folders ({', '.join(found)}); name one "
                "protocol by keeping one")
-    return found[0] if found else None
+    return next(iter(found.values()), {})
 
 
 def points(credit_table: str, learning: str, placebo_folder: str) -> tuple[list[dict], dict]:
@@ -88,10 +89,10 @@ def points(credit_table: str, learning: str, placebo_folder: str) -> tuple[list[
         refuse(f"no GRPO records in {os.path.join(learning, 'proxmo.py')}: the frame runs first")
     out = []
     for name, row, script, estimator in POINTS:
-        folder = records_folder(learning, script, estimator)
-        if folder is None or LABELS[row] not in aucs:
+        if LABELS[row] not in aucs:
             continue
-        _, differences = gain_differences(SPLIT, records(folder, estimator), grpo)
+        _, differences = gain_differences(SPLIT, script_records(learning, script, estimator),
+                                          grpo)
         if differences:
             auc, auc_se = aucs[LABELS[row]]
             out.append({"name": name, "auc": auc, "auc_se": auc_se, "differences": differences})
@@ -170,9 +171,10 @@ def main(argv: list[str]) -> str:
         parser.error(f"--credit-table {args.credit_table}: no such file (run benchmarks/credit.py "
                      "--env alfworld)")
     placebo_folder = args.placebo or os.path.join(RESULTS, "alfworld", SPLIT, "oracle-vs-grpo")
-    if args.placebo and not records(args.placebo, "placebo"):
-        parser.error(f"--placebo {args.placebo}: no placebo-seed*.json there")
     rows, placebo = points(args.credit_table, args.learning, placebo_folder)
+    if args.placebo and not placebo["differences"]:
+        parser.error(f"--placebo {args.placebo}: no placebo-seed*.json there with a "
+                     "grpo-seed*.json of the same seed")
     markdown = table(rows, placebo)
     os.makedirs(args.out, exist_ok=True)
     write_text(os.path.join(args.out, "credit-vs-lead.md"), markdown + "\n")
