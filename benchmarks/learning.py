@@ -700,10 +700,13 @@ def main(argv: list[str]) -> str:
                      f"{', '.join(SPLITS[args.env])}")
     if args.iterations is None:
         args.iterations = ITERATIONS[args.env]
-    try:
-        split_size = len(envs.list_tasks(args.env, args.split))
-    except UsageError as e:  # no games where ALFWORLD_DATA points
-        parser.error(str(e))
+    if args.finished_only and not args.eval_num_tasks:  # tables from records need no games
+        split_size = args.eval_num_tasks
+    else:
+        try:
+            split_size = len(envs.list_tasks(args.env, args.split))
+        except UsageError as e:  # no games where ALFWORLD_DATA points
+            parser.error(str(e))
     if not 0 <= args.eval_num_tasks <= split_size:
         parser.error(f"--eval-num-tasks must be in [0, {split_size}] (0 = all {split_size} "
                      f"{args.split} tasks)")

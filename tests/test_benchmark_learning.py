@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -379,6 +380,23 @@ def test_an_alfworld_protocol_without_games_says_how_to_get_them(tmp_path, monke
     err = capsys.readouterr().err
     assert "no ALFWorld games found" in err and "alfworld-download" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_alfworld_tables_from_records_need_no_games(tmp_path, monkeypatch, capsys):
+    """--finished-only reads records alone: the committed ALFWorld records of seed 1 (GRPO,
+    ProxMO) give their table and paired difference with ALFWORLD_DATA where there are no
+    games."""
+    import learning
+
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path))
+    committed = os.path.join(learning.RESULTS, "alfworld", "keyed", "valid_unseen", "proxmo.py")
+    for name in ("grpo-seed1.json", "proxmo-seed1.json"):
+        shutil.copy(os.path.join(committed, name), tmp_path / name)
+    learning.main(["--env", "alfworld", "--estimators", "grpo", "proxmo", "--seeds", "1",
+                   "--finished-only", "--results", str(tmp_path), "--runs", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert "| proxmo | grpo | 1 | -0.044 |" in out
+    assert (tmp_path / "table.md").is_file() and not (tmp_path / "r").exists()
 
 
 def test_the_keyed_alfworld_protocol_plays_each_game_three_times():
