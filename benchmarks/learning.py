@@ -700,16 +700,14 @@ def main(argv: list[str]) -> str:
                      f"{', '.join(SPLITS[args.env])}")
     if args.iterations is None:
         args.iterations = ITERATIONS[args.env]
-    if args.finished_only and not args.eval_num_tasks:  # tables from records need no games
-        split_size = args.eval_num_tasks
-    else:
+    if args.eval_num_tasks or not args.finished_only:  # tables from records need no games
         try:
             split_size = len(envs.list_tasks(args.env, args.split))
         except UsageError as e:  # no games where ALFWORLD_DATA points
             parser.error(str(e))
-    if not 0 <= args.eval_num_tasks <= split_size:
-        parser.error(f"--eval-num-tasks must be in [0, {split_size}] (0 = all {split_size} "
-                     f"{args.split} tasks)")
+        if not 0 <= args.eval_num_tasks <= split_size:
+            parser.error(f"--eval-num-tasks must be in [0, {split_size}] (0 = all {split_size} "
+                         f"{args.split} tasks)")
     if not 1 <= args.iterations <= 100_000:
         parser.error("--iterations must be in [1, 100000]")
     if args.eval_every is not None and not 1 <= args.eval_every <= args.iterations:
