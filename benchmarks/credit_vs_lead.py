@@ -65,13 +65,18 @@ def records(folder: str, estimator: str) -> dict[int, dict]:
 
 
 def script_records(learning: str, script: str, estimator: str) -> dict[int, dict]:
-    """{seed: record} of `estimator` in `script`'s records: the script's folder, or one folder of
-    runs with extra flags inside it (learning.py names it by them); more than one is refused."""
+    """{seed: record} of `estimator` in `script`'s records: the script's folder (the protocol's
+    runs; a side run with extra flags beside them, e.g. a literal reading, is not read), else
+    the one folder of runs with extra flags inside it (learning.py names it by them); more than
+    one such folder is refused."""
     top = os.path.join(learning, script)
     if not os.path.isdir(top):
         return {}
-    folders = [top] + [os.path.join(top, d) for d in sorted(os.listdir(top))
-                       if os.path.isdir(os.path.join(top, d))]
+    own = records(top, estimator)
+    if own:
+        return own
+    folders = [os.path.join(top, d) for d in sorted(os.listdir(top))
+               if os.path.isdir(os.path.join(top, d))]
     found = {folder: records(folder, estimator) for folder in folders}
     found = {folder: runs for folder, runs in found.items() if runs}
     if len(found) > 1:

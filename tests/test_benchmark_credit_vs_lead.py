@@ -1,6 +1,7 @@
 """benchmarks/credit_vs_lead.py: the paired leads and the table worked by hand on made-up
-records (PPO's in hisr.py's folder, 3SPO's in a folder named by extra flags), a method without
-records left out, and a share of the oracle's lead only where the oracle leads."""
+records (PPO's in hisr.py's folder, a side run with extra flags beside it unread, 3SPO's in a
+folder named by extra flags), a method without records left out, and a share of the oracle's
+lead only where the oracle leads."""
 
 import json
 import os
@@ -42,6 +43,7 @@ def test_leads_and_table_by_hand(tmp_path):
         if gigpo is not None:
             record(keyed / "proxmo.py", f"gigpo-seed{seed}", start, gigpo)
     record(keyed / "hisr.py", "ppo-seed1", 0.3, 0.3)
+    record(keyed / "hisr.py" / "grounding-form-eq8", "ppo-seed1", 0.3, 0.9)  # a side run: unread
     record(keyed / "sspo.py" / "tasks-per-iteration-3", "sspo-seed2", 0.5, 0.6)
     (keyed / "proxmo.py" / "gigpo-seed1 copy.json").write_text("not a record")  # not read
     placebo = tmp_path / "previous"
