@@ -73,7 +73,7 @@ import torch
 from torch import Tensor
 
 import envs
-from common import UsageError, config
+from common import UsageError, config, error_line
 from common.config import HarnessArgs
 from common.dist import (mean_across_processes, minibatches, my_share, same_start,
                          sum_across_processes, whole_batch)
@@ -922,8 +922,8 @@ def load_reward_models(args: Args, start_model, path: str):
             models.append(model)
         head.load_state_dict(torch.load(found, map_location="cpu"))
     except Exception as e:
-        raise UsageError(f"--reward-models {path}: cannot be loaded ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        message = f"--reward-models {path}: cannot be loaded ({error_line(e)})"
+        raise UsageError(message) from None
     freeze(head, *models)
     hindsight = models[1] if args.use_hindsight else None
     return models[0], head, hindsight

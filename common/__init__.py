@@ -17,6 +17,13 @@ class RunStopped(Exception):
     scripts print the message and exit with status 1; the last checkpoint is intact."""
 
 
+def error_line(e: BaseException, empty: str = "") -> str:
+    """A library's error in one line of ours: "TypeName: the first line of its message" (`empty`
+    in place of a message it does not have)."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else empty}"
+
+
 @contextlib.contextmanager
 def written_whole(path: str):
     """Writes a file at `path` whole or not at all: the block writes the path it is given, beside

@@ -14,7 +14,7 @@ from urllib.request import getproxies
 import torch
 from torch import Tensor
 
-from common import UsageError
+from common import UsageError, error_line
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 # The shipped starts (each folder's README.md says how it was built): "tiny", a 2-layer Qwen2
@@ -152,7 +152,7 @@ def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, 
             model = AutoModelForCausalLM.from_pretrained(candidate, dtype=dtype,
                                                          local_files_only=cache_only)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # missing, damaged
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = error_line(e)
             if cache_only:
                 reason = f"the hub is unreachable (offline), local cache only: {reason}"
             errors.append(f"  {candidate}: {reason}")
@@ -262,9 +262,8 @@ def load_lora(model, path: str):
     try:  # a damaged file: one line naming it, not the library's traceback
         return PeftModel.from_pretrained(model, path, is_trainable=True)
     except (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError) as e:
-        reason = str(e).splitlines()[0] if str(e) else ""
-        raise UsageError(f"the LoRA adapter at {path} cannot be loaded ({type(e).__name__}: "
-                         f"{reason})") from None
+        message = f"the LoRA adapter at {path} cannot be loaded ({error_line(e)})"
+        raise UsageError(message) from None
 
 
 def merge_lora(model):

@@ -45,7 +45,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors import SafetensorError
 
 import envs
-from common import RunStopped, UsageError, folder_error, write_json
+from common import RunStopped, UsageError, error_line, folder_error, write_json
 from common.config import settings_digest
 from common.dist import launch_errors, start_processes
 from common.model import (TINY_NAMES, check_lora_targets, check_model,
@@ -282,8 +282,7 @@ def save_part(path: str, write, reuse: str = "") -> None:
             for leftover in (path, f"{path}.sha256"):
                 if os.path.isfile(leftover):
                     os.remove(leftover)
-            failed = (f"{path} could not be written ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''})")
+            failed = f"{path} could not be written ({error_line(e)})"
     failed = broadcast_object_list([failed])[0]  # every process stops, or none
     if failed:
         raise RunStopped(failed)
@@ -510,8 +509,8 @@ class Run:
         try:
             state = torch.load(file, weights_only=False)
         except Exception as e:  # a file damaged by hand or by the disk: torch's error names none
-            raise UsageError(f"--resume {resume}: {file} cannot be read ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            message = f"--resume {resume}: {file} cannot be read ({error_line(e)})"
+            raise UsageError(message) from None
         if "base_weights" in state and not os.path.isfile(os.path.join(self.checkpoint,
                                                                         CHECKSUMS)):
             raise UsageError(f"--resume {resume}: its checkpoint was saved with {CHECKSUMS}, "
@@ -802,8 +801,7 @@ class Run:
                     _set_state(thing, self.state[name])
                 except (KeyError, ValueError, TypeError, RuntimeError) as e:
                     raise UsageError(f"--resume {self.path}: its checkpoint's {name} does not "
-                                     f"fit this run ({type(e).__name__}: "
-                                     f"{str(e).splitlines()[0] if str(e) else name})") from None
+                                     f"fit this run ({error_line(e, name)})") from None
         set_random_streams(self.state["streams"][self.dist.process_index])
         print(f"resumed from {self.checkpoint} at iteration {self.state['iteration']}")
         self.history = self.state["history"]
@@ -829,8 +827,7 @@ class Run:
                 last = (f"the last complete one is {os.path.realpath(self.checkpoint)}"
                         if os.path.exists(self.checkpoint) else "it was the run's first")
                 failed = (f"iteration {iteration}: the checkpoint could not be written "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
-                          f"{free} bytes free there); {last}")
+                          f"({error_line(e)}; {free} bytes free there); {last}")
         failed = broadcast_object_list([failed])[0]  # every process stops, or none
         if failed:
             raise RunStopped(failed)

@@ -13,7 +13,7 @@ import torch
 
 import common.model
 import envs
-from common import RunStopped, UsageError
+from common import RunStopped, UsageError, error_line
 from common.envbatch import EnvBatch
 from common.generation import hf_generate
 from common.model import (add_lora, eos_token_ids, load_lora,
@@ -102,6 +102,16 @@ def test_lora_save_load_and_merge(tiny, tmp_path):
     assert torch.allclose(merged(ids).logits, tuned, atol=1e-5)
     with pytest.raises(UsageError):
         load_lora(fresh, str(tmp_path / "missing"))
+    with open(tmp_path / "adapter_model.safetensors", "wb") as f:  # damaged: one line names it
+        f.write(b"not a safetensors file")
+    with pytest.raises(UsageError, match=r"adapter at .* cannot be loaded \((\w+Error): .+\)$"):
+        load_lora(fresh, str(tmp_path))
+
+
+def test_a_library_error_is_one_line_of_ours():
+    assert error_line(OSError("no such file\n  more detail")) == "OSError: no such file"
+    assert error_line(KeyError(), "optimizer") == "KeyError: optimizer"
+    assert error_line(ValueError("")) == "ValueError: "
 
 
 def test_response_logprobs_match_an_unpadded_forward(tiny):
