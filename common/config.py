@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal
 
 import envs
-from common import RunStopped, UsageError
+from common import RunStopped, UsageError, error_line
 from common.model import DEFAULT_MODEL, TINY_ENV, TINY_NAMES, TINY_STARTS
 
 OVERRIDABLE = ("iterations", "device", "process_timeout_minutes")  # what --resume may change
@@ -171,8 +171,8 @@ def parse_args(Args, presets: dict, argv: list[str], old_defaults: dict | None =
         saved = {"sampler": "global", **(old_defaults or {}), **config["args"]}
         command = shlex.split(config.get("command", ""))
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
-        raise UsageError(f"--resume {known.resume}: {config_file} is damaged ({type(e).__name__}: "
-                         f"{e})") from None
+        message = f"--resume {known.resume}: {config_file} is damaged ({error_line(e)})"
+        raise UsageError(message) from None
     script = os.path.basename(sys.modules[Args.__module__].__file__)
     ran = next((os.path.basename(a) for a in command if a.endswith(".py")), None)
     if ran is not None and ran != script:
