@@ -964,10 +964,12 @@ def main(args: Args) -> dict:
         stats.update(timings())  # where the time went: each timer("x") above as time/x_seconds
         stats.update(policy.stats())  # vLLM: its log-probs' gap to the trainer's
         run.log(stats, iteration)
+        prm_shown = {}  # the PRM's step (nan: no won-lost pair, no step); baselines have none
+        if prm is not None:
+            prm_shown = {"dpo": stats.get("prm/dpo_loss", float("nan")),
+                         "pair_acc": stats.get("prm/pair_accuracy_before", float("nan"))}
         progress.update(1, success=stats["rollout/success"], grounding=stats["rollout/grounding"],
-                        dpo=stats.get("prm/dpo_loss", float("nan")),
-                        pair_acc=stats.get("prm/pair_accuracy_before", float("nan")),
-                        rollout_s=round(rollout_seconds),
+                        **prm_shown, rollout_s=round(rollout_seconds),
                         update_s=round(stats["time/update_seconds"]),
                         iter_s=round(stats["time/iteration_seconds"]))
         if iteration % args.eval_every == 0 or iteration == args.iterations:

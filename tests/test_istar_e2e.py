@@ -78,7 +78,7 @@ def test_three_iterations_of_istar(tmp_path):
 def test_baselines_train_no_prm(advantage, tmp_path):
     out = run(["--iterations", "1", "--advantage", advantage, "--run-dir", str(tmp_path), *SMALL],
               tmp_path)
-    assert "rl 1/1" in out.stdout and "dpo=nan pair_acc=nan" in out.stdout
+    assert "rl 1/1" in out.stdout and "dpo=" not in out.stdout  # no PRM step to show
     (run_path,) = glob.glob(str(tmp_path / f"istar__household__{advantage}__1__*"))
     assert not os.path.exists(os.path.join(run_path, "checkpoint", "prm"))
     tags = scalars(run_path).Tags()["scalars"]
