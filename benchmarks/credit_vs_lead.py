@@ -134,15 +134,14 @@ def plot(rows: list[dict], placebo: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    means = [mean_and_se(row["differences"])[0] for row in rows]
-    for row, mean in zip(rows, means):
-        _, se = mean_and_se(row["differences"])
+    leads = [mean_and_se(row["differences"]) for row in rows]  # (mean, se) a row
+    for row, (mean, se) in zip(rows, leads):
         auc_se = 0 if math.isnan(row["auc_se"]) else row["auc_se"]
         oracle = row["name"] == "oracle"
         ax.errorbar([row["auc"]], [mean], xerr=[auc_se], yerr=[0 if math.isnan(se) else se],
                     fmt="*" if oracle else "o", capsize=3, markersize=10 if oracle else 6)
         crowded = any(abs(other["auc"] - row["auc"]) < 0.03 and 0 < other_mean - mean < 0.03
-                      for other, other_mean in zip(rows, means))  # another label just above
+                      for other, (other_mean, _) in zip(rows, leads))  # a label just above
         ax.annotate(f"{row['name']} ({len(row['differences'])})",
                     (row["auc"] + auc_se, mean) if crowded else (row["auc"], mean),
                     textcoords="offset points", xytext=(4, -3) if crowded else (6, 4), fontsize=8)
