@@ -64,7 +64,7 @@ from accelerate.utils import gather_object
 from torch import Tensor
 
 import envs
-from common import UsageError, config
+from common import UsageError, config, error_line
 from common.config import HarnessArgs
 from common.dist import (mean_across_processes, minibatches, my_share, same_start,
                          sum_across_processes, whole_batch)
@@ -365,7 +365,7 @@ def exploration(args: Args, run: Run, policy: Policy, tasks: list) -> list[dict]
             if not damaged:
                 return torch.load(path, weights_only=True)
         except Exception as e:  # truncated, or not a torch file
-            damaged = [f"{EXPLORE_FILE} cannot be read ({type(e).__name__})"]
+            damaged = [f"{EXPLORE_FILE} cannot be read ({error_line(e)})"]
         raise UsageError(f"--resume {args.resume}: {'; '.join(damaged)}; the rollouts it trains "
                          "on are not as saved, so the run cannot go on")
     if not tasks:
@@ -515,7 +515,7 @@ def load_progress_estimator(args: Args, start_model, path: str):
     try:
         head.load_state_dict(torch.load(os.path.join(path, "head.pt"), map_location="cpu"))
     except Exception as e:  # truncated, or another head
-        raise UsageError(f"{path}/head.pt cannot be loaded ({type(e).__name__})") from None
+        raise UsageError(f"{path}/head.pt cannot be loaded ({error_line(e)})") from None
     pe.eval()
     pe.requires_grad_(False)
     head.requires_grad_(False)

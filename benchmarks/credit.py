@@ -68,7 +68,7 @@ import istar  # noqa: E402
 import proxmo  # noqa: E402
 import spa  # noqa: E402
 import sspo  # noqa: E402
-from common import UsageError, write_text  # noqa: E402
+from common import UsageError, error_line, write_text  # noqa: E402
 from common.model import (DEFAULT_MODEL, TINY_ENV, TINY_STARTS, add_lora,  # noqa: E402
                           load_lora, load_model_and_tokenizer, merge_lora, response_logprobs)
 from common.progress import Progress  # noqa: E402
@@ -216,7 +216,7 @@ def check_adapter_base(adapter: str, model, name: str) -> None:
         trained_on = torch.load(state_file, weights_only=False).get("base_weights")
     except Exception as e:  # a damaged file: pickle raises many kinds
         raise UsageError(f"--adapter {adapter}: its trainer_state.pt cannot be read "
-                         f"({type(e).__name__})") from None
+                         f"({error_line(e)})") from None
     if trained_on is not None and trained_on != weights_digest(model):
         raise UsageError(f"--adapter {adapter} trained on other weights than --model {name}; "
                          "pass the model its run started from (its run directory's base_model/ "

@@ -27,7 +27,7 @@ import re
 import sys
 import weakref
 
-from common import UsageError, written_whole
+from common import UsageError, error_line, written_whole
 from envs.base import begin_step, normalise
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
@@ -79,7 +79,7 @@ def game_files(split: str, root: str | None = None) -> list[str]:
             with open(path) as f:
                 solvable = json.load(f).get("solvable", False)
         except (ValueError, AttributeError) as e:  # truncated, or not a game's JSON object
-            raise UsageError(f"{path} is damaged ({type(e).__name__}); delete its folder (a "
+            raise UsageError(f"{path} is damaged ({error_line(e)}); delete its folder (a "
                              "generated set: the generator's same command makes it again)"
                              ) from None
         if solvable:

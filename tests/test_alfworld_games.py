@@ -856,8 +856,8 @@ def test_a_demonstration_edited_or_reshaped_is_damage(data_root, tmp_path):
 
 
 def test_a_damaged_game_file_is_named(data_root, tmp_path, monkeypatch):
-    """A truncated game.tw-pddl, or one holding a list: listing the split names it (UsageError),
-    not a JSON traceback."""
+    """A truncated game.tw-pddl, or one holding a list: listing the split names it and its error
+    (UsageError, "Type: first line"), not a JSON traceback."""
     import shutil
 
     from common import UsageError
@@ -867,7 +867,8 @@ def test_a_damaged_game_file_is_named(data_root, tmp_path, monkeypatch):
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path))
     game_file = games(str(tmp_path), "valid_unseen")[0]
     text = open(game_file).read()
-    for damaged in (text[:len(text) // 2], json.dumps([json.loads(text)])):
+    for damaged, error in ((text[:len(text) // 2], "JSONDecodeError"),
+                          (json.dumps([json.loads(text)]), "AttributeError")):
         open(game_file, "w").write(damaged)
-        with pytest.raises(UsageError, match=r"game.tw-pddl is damaged"):
+        with pytest.raises(UsageError, match=rf"game.tw-pddl is damaged \({error}: \S.*\)"):
             alfworld_env.game_files("valid_unseen")

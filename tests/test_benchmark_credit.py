@@ -166,6 +166,10 @@ def test_an_adapter_plays_the_batch(tmp_path):
     torch.save({"base_weights": "0" * 64}, tmp_path / "moved" / "trainer_state.pt")
     with pytest.raises(UsageError, match="trained on other weights than --model tiny"):
         collect(2, 2, seed=1, max_episode_steps=6, adapter=str(tmp_path / "moved"))
+    # one whose trainer_state.pt is damaged: named with its error's type and first line
+    (tmp_path / "moved" / "trainer_state.pt").write_bytes(b"not a torch file")
+    with pytest.raises(UsageError, match=r"trainer_state.pt cannot be read \(\w+Error: \S"):
+        collect(2, 2, seed=1, max_episode_steps=6, adapter=str(tmp_path / "moved"))
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_the_work(tmp_path):

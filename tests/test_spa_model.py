@@ -1,13 +1,15 @@
 """spa.py's model-side pieces on the shipped tiny model: what the progress estimator reads and
 where, that c_t sees no later step, one pass for log-probs and values, and a saved PE that loads
-back to the same scores."""
+back to the same scores (and another head, refused by name)."""
 
 import copy
 import json
 
+import pytest
 import torch
 
 import envs
+from common import UsageError
 from common.model import add_lora, load_model_and_tokenizer, response_logprobs
 from spa import (Args, Policy, action_end_positions, encode_trajectory, load_progress_estimator,
                  make_head, policy_forward, progress_forward, rollout, save_progress_estimator,
@@ -94,6 +96,7 @@ def test_policy_forward_gives_the_log_probs_of_a_plain_pass_and_a_value_per_prom
 def test_saved_progress_estimator_scores_the_same(tmp_path):
     args, model, tokenizer, trajs = tiny_rollouts()
     start = copy.deepcopy(model)
+    spare = copy.deepcopy(model)
     pe = add_lora(model, args.lora_r, args.lora_alpha, 0.0, "all-linear")
     for p in pe.parameters():
         if p.requires_grad:
@@ -112,6 +115,10 @@ def test_saved_progress_estimator_scores_the_same(tmp_path):
             first = scores
     assert first == scores and any(abs(c - 0.25) > 1e-4 for c in scores)
     assert not any(p.requires_grad for p in loaded.parameters())
+    # Another head than the one saved: named with its error's type and first line.
+    other = Args(pe_head="mlp" if args.pe_head == "linear" else "linear")
+    with pytest.raises(UsageError, match=r"head.pt cannot be loaded \(RuntimeError: \S"):
+        load_progress_estimator(other, spare, str(tmp_path / "pe"))
 
 
 def test_too_long_trajectories_are_read_up_to_the_limit():
