@@ -28,14 +28,17 @@ from learning import (RESULTS, check_record, gain_differences, mean_and_se,  # n
                       read_json, refuse, save_png)
 
 SPLIT = "valid_unseen"
-# (name, the estimator's row in credit.py's table, the script whose records hold it, the
-# estimator in them); PPO's records are hisr.py's, which spa.py shares; GRPO's lead is 0
+# (name, the estimator's row in credit.py's table, the folder of its records in the keyed
+# records, the estimator in them); PPO's records are hisr.py's, which spa.py shares; a method
+# run at another setting than the protocol's has its folder named by that flag (learning.py);
+# GRPO's lead is 0
 POINTS = [("oracle", "oracle", "proxmo.py", "oracle"), ("GRPO", "grpo", "proxmo.py", "grpo"),
           ("GiGPO", "gigpo", "proxmo.py", "gigpo"),
           ("ProxMO", "proxmo", "proxmo.py", "proxmo"), ("PPO", "ppo", "hisr.py", "ppo"),
           ("SPA", "spa", "spa.py", "spa"), ("HISR", "hisr", "hisr.py", "hisr"),
           ("RLOO", "rloo", "istar.py", "rloo"), ("iStar", "istar", "istar.py", "istar"),
-          ("3SPO", "sspo", "sspo.py", "sspo")]
+          ("3SPO, N = 3", "sspo", "sspo.py/tasks-per-iteration-3", "sspo"),
+          ("3SPO, N = 8", "sspo", "sspo.py/tasks-per-iteration-8", "sspo")]
 
 
 def credit_rows(path: str) -> dict[str, tuple[float, float]]:
@@ -64,27 +67,6 @@ def records(folder: str, estimator: str) -> dict[int, dict]:
     return out
 
 
-def script_records(learning: str, script: str, estimator: str) -> dict[int, dict]:
-    """{seed: record} of `estimator` in `script`'s records: the script's folder (the protocol's
-    runs; a side run with extra flags beside them, e.g. a literal reading, is not read), else
-    the one folder of runs with extra flags inside it (learning.py names it by them); more than
-    one such folder is refused."""
-    top = os.path.join(learning, script)
-    if not os.path.isdir(top):
-        return {}
-    own = records(top, estimator)
-    if own:
-        return own
-    folders = [os.path.join(top, d) for d in sorted(os.listdir(top))
-               if os.path.isdir(os.path.join(top, d))]
-    found = {folder: records(folder, estimator) for folder in folders}
-    found = {folder: runs for folder, runs in found.items() if runs}
-    if len(found) > 1:
-        refuse(f"{estimator}: records in {len(found)} folders ({', '.join(found)}); name one "
-               "protocol by keeping one")
-    return next(iter(found.values()), {})
-
-
 def points(credit_table: str, learning: str, placebo_folder: str) -> tuple[list[dict], dict]:
     """(one dict per method that has run: name, auc, auc_se, differences (its lead over GRPO per
     seed both ran); the placebo's, from its own folder and that folder's GRPO)."""
@@ -93,11 +75,11 @@ def points(credit_table: str, learning: str, placebo_folder: str) -> tuple[list[
     if not grpo:
         refuse(f"no GRPO records in {os.path.join(learning, 'proxmo.py')}: the frame runs first")
     out = []
-    for name, row, script, estimator in POINTS:
+    for name, row, folder, estimator in POINTS:
         if LABELS[row] not in aucs:
             continue
-        _, differences = gain_differences(SPLIT, script_records(learning, script, estimator),
-                                          grpo)
+        runs = records(os.path.join(learning, folder), estimator)
+        _, differences = gain_differences(SPLIT, runs, grpo)
         if differences:
             auc, auc_se = aucs[LABELS[row]]
             out.append({"name": name, "auc": auc, "auc_se": auc_se, "differences": differences})
