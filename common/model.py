@@ -130,6 +130,10 @@ def check_model(name: str, env: str) -> None:
 def load_model_and_tokenizer(name: str, *, vocabulary: list[str] | None = None, seed: int = 0,
                              dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model, tokenizer). `vocabulary` (the env's words) is needed only for "tiny-scratch"."""
+    if torch.device(device).type == "cuda":
+        # cuDNN's attention builds a plan for every new sequence shape, and a rollout's shapes
+        # are new at every step: keyed generation 1.6x slower on an H200 (docs/gpu-readiness.md)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if name == "tiny-scratch":
         if not vocabulary:
             raise UsageError("--model tiny-scratch needs the environment's vocabulary")
