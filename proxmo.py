@@ -243,23 +243,17 @@ def placebo_step_advantages(progress: list[Tensor], permutation: Tensor,
     return list(torch.split(flat[permutation], [len(p) for p in progress]))
 
 
-def label_oracle_progress(args: Args, trajectories: list[dict], tasks: list) -> None:
-    """Adds "progress" (T_i ints) to each trajectory: its commands replayed in its task's game
-    (ALFWorld's replays shared among the env workers' number of processes)."""
-    jobs = [(task, [s["action"] for s in traj["steps"]], [s["next_state"] for s in traj["steps"]],
-             args.max_episode_steps) for traj, task in zip(trajectories, tasks)]
-    labelled = envs.label_batch(args.env, jobs, args.env_workers)
-    for traj, (progress, _) in zip(trajectories, labelled):
-        traj["progress"] = progress
-
-
 def summarize(traj: dict) -> dict:
     """What advantages and logs read of a trajectory, cheap to gather: "group" (its task's index in
-    the batch), "won", "rewards", "task_type", the oracles' "progress", and per step "state" (the
-    raw observation acted on, s_t: not the prompt), "valid" (admissible) and "well_formed"."""
+    the batch), "won", "rewards", "task_type", per step "state" (the raw observation acted on,
+    s_t: not the prompt), "valid" (admissible) and "well_formed"; and "progress", the oracles'
+    labels (T_i ints), where the rollout's games made them (rollout's `progress`)."""
     steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
-    kept = ("task_type", "group", "won", "rewards", "progress")  # progress: read by the oracles
-    return {**{k: traj[k] for k in kept if k in traj}, "steps": steps}
+    summary = {k: traj[k] for k in ("task_type", "group", "won", "rewards")}
+    progress = [s["progress"] for s in traj["steps"]]
+    if None not in progress:
+        summary["progress"] = progress
+    return {**summary, "steps": steps}
 
 
 def compute_advantages(args: Args, summaries: list[dict],
@@ -440,10 +434,12 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 # ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
             temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
-            desc: str | None = None, keys: list[tuple] | None = None) -> list[dict]:
+            desc: str | None = None, keys: list[tuple] | None = None,
+            progress: bool = False) -> list[dict]:
     """Play one game per task in lock-step until all finish (desc: EnvBatch's progress line).
     keys: one per game, where it stands (e.g. seed, "train", iteration, group, episode); step s of
     game i draws its tokens by (*keys[i], s) (--sampler keyed), whatever else the batch holds.
+    progress: the games label every step with the env's oracle (envs.ProgressGame).
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
@@ -457,9 +453,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             the prompt listed; "action": the command executed; "next_state": what it got;
         "valid": the action was admissible (the env's word); "parsed": the reply had an
             <action> tag; "well_formed": is_well_formed (also <think> with --reasoning, no
-            Chinese); "label": the expert's action (behavior cloning), else None."""
+            Chinese); "label": the expert's action (behavior cloning), else None; "progress":
+            the oracle's label of the step (with `progress`), else None."""
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert_rng is not None,
-                            workers=args.env_workers) for t in tasks]
+                            workers=args.env_workers, progress=progress) for t in tasks]
     env_batch = EnvBatch(games, desc, args.max_episode_steps)
     env_batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
@@ -504,7 +501,7 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                                 "admissible": admissible[k], "action": commands[k],
                                 "next_state": obs, "valid": bool(info["valid"]),
                                 "parsed": has_action[k], "well_formed": well_formed[k],
-                                "label": labels[k]})
+                                "label": labels[k], "progress": info.get("progress")})
             tr["rewards"].append(reward)
             histories[i].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])
@@ -753,13 +750,13 @@ def main(args: Args) -> dict:
         # (2) lock-step rollouts; (3) 0/1 outcomes: "won", and r_t = 1 on the winning step.
         batch_tasks = task_rng.sample(train_tasks, args.tasks_per_iteration)
         tasks, groups = my_share(batch_tasks, args.group_size)
+        # The oracles' games label every step as it is played (envs.ProgressGame).
         trajs = rollout(args, tokenizer, policy, tasks, groups, args.rollout_temperature,
-                        keys=episode_keys((args.seed, "train", iteration), groups))
+                        keys=episode_keys((args.seed, "train", iteration), groups),
+                        progress=args.advantage in ORACLES)
         rollout_seconds = time.time() - t0
         # (4) one advantage per step, over the whole batch (TF-IDF too); each process keeps its own
         with timer("advantages"):
-            if args.advantage in ORACLES:  # the env's oracle labels every step
-                label_oracle_progress(args, trajs, tasks)
             # summaries: every process's (one process: trajs'); mine: where trajs' lie among them
             summaries, mine = whole_batch([summarize(t) for t in trajs])
             batch_advantages = compute_advantages(args, summaries, generator)

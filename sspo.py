@@ -559,10 +559,12 @@ RANGES = {  # the method's flags; common/config.py's RANGES: the harness's
 # ---- 5. Rollouts --------------------------------------------------------------------------------
 def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids: list,
             temperature: float, top_p: float = 1.0, expert_rng: random.Random | None = None,
-            desc: str | None = None, keys: list[tuple] | None = None) -> list[dict]:
+            desc: str | None = None, keys: list[tuple] | None = None,
+            progress: bool = False) -> list[dict]:
     """Play one game per task in lock-step until all finish (desc: EnvBatch's progress line).
     keys: one per game, where it stands (e.g. seed, "train", iteration, group, episode); step s of
     game i draws its tokens by (*keys[i], s) (--sampler keyed), whatever else the batch holds.
+    progress: the games label every step with the env's oracle (envs.ProgressGame).
 
     With expert_rng given (and policy None), the env's expert acts instead of the policy
     (behavior-cloning data): each step records the expert's action as "label", but with
@@ -576,9 +578,10 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
             the prompt listed; "action": the command executed; "next_state": what it got;
         "valid": the action was admissible (the env's word); "parsed": the reply had an
             <action> tag; "well_formed": is_well_formed (also <think> with --reasoning, no
-            Chinese); "label": the expert's action (behavior cloning), else None."""
+            Chinese); "label": the expert's action (behavior cloning), else None; "progress":
+            the oracle's label of the step (with `progress`), else None."""
     games = [envs.make_game(args.env, t, args.max_episode_steps, expert=expert_rng is not None,
-                            workers=args.env_workers) for t in tasks]
+                            workers=args.env_workers, progress=progress) for t in tasks]
     env_batch = EnvBatch(games, desc, args.max_episode_steps)
     env_batch.reset()
     trajs = [{"task": g.task_description, "task_type": g.task_type, "group": gid, "won": False,
@@ -623,7 +626,7 @@ def rollout(args: Args, tokenizer, policy: Policy | None, tasks: list, group_ids
                                 "admissible": admissible[k], "action": commands[k],
                                 "next_state": obs, "valid": bool(info["valid"]),
                                 "parsed": has_action[k], "well_formed": well_formed[k],
-                                "label": labels[k]})
+                                "label": labels[k], "progress": info.get("progress")})
             tr["rewards"].append(reward)
             histories[i].append((states[i], commands[k]))
             tr["won"] = bool(info["won"])

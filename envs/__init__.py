@@ -72,17 +72,18 @@ def task_set(env_name: str, tasks: dict[str, list]) -> dict | None:
 
 
 def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers: int = 0,
-              seed: int | None = None):
+              seed: int | None = None, progress: bool = False):
     """A game of `task`. expert=True is needed for expert_action() (behavior-cloning demos); the
     household's expert is free, ALFWorld's makes every step slower. workers > 0: the game lives in
     one of `workers` processes (a common.envbatch.WorkerPool, started at the first such call and
     kept), for ALFWorld's slow engine; EnvBatch steps such games at once. An ALFWorld game with
     a recorded demonstration of at least this step limit plays back from it
-    (alfworld_env.RecordedGame: no engine, no worker). An ALFWorld expert's rare random choices
-    come from its own generator, seeded from `random` here (or by `seed`), so a game plays the
-    same in this process or in a worker."""
+    (alfworld_env.RecordedGame: no engine, no worker), unless `progress` is asked. An ALFWorld
+    expert's rare random choices come from its own generator, seeded from `random` here (or by
+    `seed`), so a game plays the same in this process or in a worker. progress=True: a
+    ProgressGame, whose steps' info also hold the oracle's label of the step."""
     _check(env_name)
-    if env_name == "alfworld" and expert:
+    if env_name == "alfworld" and expert and not progress:
         recording = alfworld_env.load_demonstration(task, max_steps)
         if recording is not None:  # played once, with the game set: no engine, no worker
             return alfworld_env.RecordedGame(task, recording, max_steps)
@@ -91,10 +92,41 @@ def make_game(env_name: str, task, max_steps: int, expert: bool = False, workers
     if workers > 0:
         if workers not in _POOLS:
             _POOLS[workers] = WorkerPool(workers, make_game)
-        return _POOLS[workers].make(env_name, task, max_steps, expert, 0, seed)
+        return _POOLS[workers].make(env_name, task, max_steps, expert, 0, seed, progress)
     if env_name == "household":
-        return household.HouseholdEnv(household.generate_task(task), max_steps=max_steps)
-    return alfworld_env.AlfworldEnv(task, max_steps=max_steps, expert=expert, seed=seed)
+        game = household.HouseholdEnv(household.generate_task(task), max_steps=max_steps)
+    else:
+        game = alfworld_env.AlfworldEnv(task, max_steps=max_steps, expert=expert, seed=seed)
+    return ProgressGame(game, env_name) if progress else game
+
+
+class ProgressGame:
+    """A game whose step info also holds "progress", the oracle's label of that step: the distance
+    to a win before it minus after it (the household's: its expert's steps,
+    household.steps_to_go; ALFWorld's: the fewest commands to a win, alfworld_env.steps_to_go).
+    It telescopes, so a loop or a detour earns 0 in all. Read in the game as it is played (a
+    rollout's own, or label_progress's replay); everything else is the wrapped game's."""
+
+    def __init__(self, game, env_name: str):
+        self.game = game
+        self.distance = household.steps_to_go if env_name == "household" else \
+            alfworld_env.steps_to_go
+        self.to_go = None  # the distance before the next step
+
+    def __getattr__(self, name: str):
+        return getattr(self.game, name)
+
+    def reset(self) -> str:
+        observation = self.game.reset()
+        self.to_go = self.distance(self.game)
+        return observation
+
+    def step(self, command: str):
+        observation, reward, done, info = self.game.step(command)
+        after = self.distance(self.game)
+        info = {**info, "progress": self.to_go - after}
+        self.to_go = after
+        return observation, reward, done, info
 
 
 _POOLS: dict = {}  # worker count -> WorkerPool, kept for the run
@@ -106,33 +138,25 @@ _REPLAYED: dict = {}  # label_progress's last game: a group's trajectories share
 def label_progress(env_name: str, task, actions: list[str], next_states: list[str],
                    max_steps: int) -> tuple[list[int], list[str]]:
     """The oracle's labels of a trajectory: its commands replayed in a game of `task` from its
-    start, (progress per step, the true state before each step). A step's progress is the
-    distance to a win before it minus after it (the household's: its expert's steps,
-    household.steps_to_go; ALFWorld's: the fewest commands to a win, alfworld_env.steps_to_go).
-    It telescopes, so a loop or a detour earns 0 in all. The replay must see the observations
-    the rollout saw (a RuntimeError otherwise)."""
+    start, (progress per step, ProgressGame's; the true state before each step). The replay
+    must see the observations the rollout saw (a RuntimeError otherwise). A rollout that asks
+    make_game for progress has the labels already, without a replay."""
     _check(env_name)
     module = household if env_name == "household" else alfworld_env
     key = (env_name, task, max_steps)
     if key not in _REPLAYED:  # the same task again (a group) replays in the same game
         _REPLAYED.clear()
-        if env_name == "household":
-            game = household.HouseholdEnv(household.generate_task(task), max_steps=max_steps)
-        else:
-            game = alfworld_env.AlfworldEnv(task, max_steps)
-        _REPLAYED[key] = game
+        _REPLAYED[key] = make_game(env_name, task, max_steps, progress=True)
     game = _REPLAYED[key]
     game.reset()
-    before, progress, states = module.steps_to_go(game), [], []
+    progress, states = [], []
     for action, seen in zip(actions, next_states):
-        states.append(module.true_state(game))
-        obs, _, _, _ = game.step(action)
+        states.append(module.true_state(game.game))
+        obs, _, _, info = game.step(action)
         if obs != seen:
             raise RuntimeError(f"task {task}: the replay of {action!r} saw {obs!r}, the rollout "
                                f"{seen!r}")
-        after = module.steps_to_go(game)
-        progress.append(before - after)
-        before = after
+        progress.append(info["progress"])
     return progress, states
 
 

@@ -718,6 +718,35 @@ def play_tiny_alfworld(root: str):
     return played, trajs, model
 
 
+def test_a_rollouts_own_games_label_its_steps_as_a_replay_does(data_root):
+    """rollout(progress=True) reads the oracle's labels in the games it plays, in the env
+    workers (envs.ProgressGame): the labels a replay of each trajectory's commands gives
+    (envs.label_progress, what the oracle's runs did before), without the replay."""
+    from dataclasses import replace
+
+    import envs
+    from common.generation import episode_keys
+    from common.model import load_model_and_tokenizer
+    from proxmo import Policy, preset_args, rollout
+
+    model, tokenizer = load_model_and_tokenizer("tiny-alfworld")
+    args = replace(preset_args("tiny-alfworld", "alfworld"), env_workers=2, max_episode_steps=12)
+    files = games(data_root, "train")[:3]
+    groups = [0, 0, 1, 1, 2, 2]
+    trajs = rollout(args, tokenizer, Policy(args, model, tokenizer), [files[g] for g in groups],
+                    groups, temperature=1.0, keys=episode_keys((1, "test"), groups),
+                    progress=True)
+    labels = [[s["progress"] for s in t["steps"]] for t in trajs]
+    replayed = [envs.label_progress("alfworld", files[g], [s["action"] for s in t["steps"]],
+                                    [s["next_state"] for s in t["steps"]], 12)[0]
+                for g, t in zip(groups, trajs)]
+    assert labels == replayed
+    assert any(p != 0 for label in labels for p in label)  # not a run of zeros
+    plain = rollout(args, tokenizer, Policy(args, model, tokenizer), files[:1], [0], 1.0,
+                    keys=episode_keys((1, "test"), [0]))
+    assert {s["progress"] for s in plain[0]["steps"]} == {None}
+
+
 def test_the_shipped_alfworld_start_plays_its_recorded_games(data_root):
     """assets/tiny-alfworld (the default --model of --env alfworld) plays, greedily, the games
     recorded beside it on the games the fixture generates: each game's actions up to its first
