@@ -250,7 +250,7 @@ def summarize(traj: dict) -> dict:
     labels (T_i ints), where the rollout's games made them (rollout's `progress`)."""
     steps = [{k: s[k] for k in ("state", "valid", "well_formed")} for s in traj["steps"]]
     summary = {k: traj[k] for k in ("task_type", "group", "won", "rewards")}
-    progress = [s["progress"] for s in traj["steps"]]
+    progress = [s.get("progress") for s in traj["steps"]]
     if None not in progress:
         summary["progress"] = progress
     return {**summary, "steps": steps}

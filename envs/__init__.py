@@ -105,7 +105,8 @@ class ProgressGame:
     to a win before it minus after it (the household's: its expert's steps,
     household.steps_to_go; ALFWorld's: the fewest commands to a win, alfworld_env.steps_to_go).
     It telescopes, so a loop or a detour earns 0 in all. Read in the game as it is played (a
-    rollout's own, or label_progress's replay); everything else is the wrapped game's."""
+    rollout's own, or label_progress's replay); everything else is the wrapped game's, but a
+    restore() measures the distance again."""
 
     def __init__(self, game, env_name: str):
         self.game = game
@@ -114,6 +115,8 @@ class ProgressGame:
         self.to_go = None  # the distance before the next step
 
     def __getattr__(self, name: str):
+        if name == "game":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.game, name)
 
     def reset(self) -> str:
@@ -127,6 +130,10 @@ class ProgressGame:
         info = {**info, "progress": self.to_go - after}
         self.to_go = after
         return observation, reward, done, info
+
+    def restore(self, snapshot) -> None:
+        self.game.restore(snapshot)
+        self.to_go = self.distance(self.game)
 
 
 _POOLS: dict = {}  # worker count -> WorkerPool, kept for the run
