@@ -110,8 +110,8 @@ class ProgressGame:
 
     def __init__(self, game, env_name: str):
         self.game = game
-        self.distance = household.steps_to_go if env_name == "household" else \
-            alfworld_env.steps_to_go
+        module = household if env_name == "household" else alfworld_env
+        self.distance = module.steps_to_go
         self.to_go = None  # the distance before the next step
 
     def __getattr__(self, name: str):
